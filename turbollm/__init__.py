@@ -1,0 +1,1 @@
+"""turbollm: an LLM inference engine."""

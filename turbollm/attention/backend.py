@@ -1,0 +1,96 @@
+"""Attention backends: the interface and the plain PyTorch CPU implementation.
+
+GQA/MQA is computed by head grouping: queries are viewed as `[kv_heads, group, L, D]` and
+multiplied against `[kv_heads, 1, S, D]` keys, so K/V are never repeated per query head.
+A sliding-window layer lets token i see keys j with `i - window < j <= i`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from turbollm.attention.metadata import AttentionMetadata
+
+ATTENTION_BACKENDS: dict[str, type["AttentionBackend"]] = {}
+
+
+def register_backend(name: str) -> Callable[[type["AttentionBackend"]], type["AttentionBackend"]]:
+    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        ATTENTION_BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+class AttentionBackend:
+    """Writes new K/V into the paged cache and attends over each sequence's blocks."""
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]."""
+        kc = k_cache.view(-1, *k_cache.shape[2:])
+        vc = v_cache.view(-1, *v_cache.shape[2:])
+        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` cached tokens of one sequence: [seq_len, Hk, D]."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:n_blocks])
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, context_len: int,
+               window: int | None, softcap: float | None) -> torch.Tensor:
+    """Reference attention of one sequence by head grouping.
+
+    q: [L, Hq, D] (the new tokens, at positions context_len .. context_len+L-1);
+    k, v: [S, Hk, D] with S = context_len + L. Returns [L, Hq * D].
+    """
+    L, Hq, D = q.shape
+    S, Hk, _ = k.shape
+    G = Hq // Hk
+    qg = q.float().permute(1, 0, 2).reshape(Hk, G, L, D)
+    kg = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hk, 1, S, D]
+    vg = v.float().permute(1, 0, 2).unsqueeze(1)
+    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [Hk, G, L, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    qpos = torch.arange(context_len, context_len + L).unsqueeze(1)
+    kpos = torch.arange(S).unsqueeze(0)
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vg)  # [Hk, G, L, D]
+    return out.reshape(Hq, L, D).permute(1, 0, 2).reshape(L, Hq * D).to(q.dtype)
+
+
+@register_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    """Plain PyTorch attention over the paged cache, one sequence at a time (CPU default)."""
+
+    def forward(self, q, k_cache, v_cache, meta, scale, window, softcap):
+        outs = []
+        for i in range(meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            seq_len = meta.seq_lens[i]
+            k = gather_kv(k_cache, meta.block_tables[i], seq_len)
+            v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            outs.append(attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap))
+        return torch.cat(outs, dim=0)
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

@@ -1,0 +1,35 @@
+"""The attention part of a step's batch: where each new token's K/V goes, and what each sequence sees.
+
+The batch is flat: the new tokens of all sequences are concatenated. Sequence i owns the
+rows `query_start_loc[i] : query_start_loc[i+1]`; after this step it has `seq_lens[i]`
+tokens in the cache, the last `query_len(i)` of them new. Its cache blocks are
+`block_tables[i]`; token t of the batch is written to slot `slot_mapping[t]`
+(= block id × block size + offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B]: cached + new tokens per sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """True when every sequence adds exactly one token (the decode fast path)."""
+        return self.query_start_loc[-1] == self.num_seqs

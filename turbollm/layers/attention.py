@@ -1,0 +1,23 @@
+"""The attention layer of a decoder block: store K/V in the paged cache, attend, return [T, Hq*D]."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbollm.attention import AttentionMetadata, AttentionBackend
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 window: int | None = None, softcap: float | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.window, self.softcap = scale, window, softcap
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; kv_cache: this layer's (K, V) storage."""
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        return backend.forward(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)

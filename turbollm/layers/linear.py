@@ -1,0 +1,135 @@
+"""Tensor-parallel-ready linear layers whose parameters load their own shard.
+
+Column-parallel layers split the output dimension across ranks, row-parallel ones the
+input dimension (and all-reduce their output). Merged layers (QKV, gate/up) hold several
+logical weights in one matrix; `weight_loader(param, tensor, shard_id)` places each
+checkpoint tensor in its slice. How the weight is stored and multiplied is the layer's
+`LinearMethod` (quantization strategy); the model files see only these classes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbollm.distributed import divide, get_tp
+from turbollm.errors import WeightLoadError
+from turbollm.quantization import LinearMethod, UnquantizedLinearMethod
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """Copy `loaded` into `param`, or raise a WeightLoadError naming both shapes."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise WeightLoadError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """`y = x @ W.T + b` with W created and applied by a LinearMethod."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod | None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = get_tp()
+        self.in_features, self.out_features = in_features, out_features  # local (per-rank) sizes
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, in_features, out_features, dtype)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={type(self.method).__name__}"
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None):
+        tp = get_tp()
+        super().__init__(in_features, divide(out_features, tp.tp_size), bias, method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        copy_checked(param, loaded.narrow(0, self.tp.tp_rank * size, size) if self.tp.tp_size > 1 else loaded,
+                     "column-parallel weight")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel weights stacked on the output dimension (e.g. gate and up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, method: LinearMethod | None = None):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        tp = self.tp
+        offset = sum(self.output_sizes[:shard_id]) // tp.tp_size
+        size = self.output_sizes[shard_id] // tp.tp_size
+        if loaded.shape[0] != self.output_sizes[shard_id]:
+            raise WeightLoadError(f"merged shard {shard_id}: checkpoint has {loaded.shape[0]} rows, "
+                                  f"the model expects {self.output_sizes[shard_id]}")
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp.tp_rank * size, size),
+                     f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix; heads are split across ranks (KV heads replicated if fewer)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 method: LinearMethod | None = None):
+        tp = get_tp()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.tp_size)
+        self.num_kv_heads = max(1, num_kv_heads // tp.tp_size)
+        self.kv_replicas = max(1, tp.tp_size // num_kv_heads)
+        out = (num_heads + 2 * self.num_kv_heads * tp.tp_size) * head_dim
+        super().__init__(hidden_size, out, bias, method)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        tp = self.tp
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, tp.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, tp.tp_rank // self.kv_replicas
+        else:
+            raise WeightLoadError(f"unknown QKV shard {shard_id!r}")
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks; partial outputs are summed (all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None):
+        tp = get_tp()
+        super().__init__(divide(in_features, tp.tp_size), out_features, bias and tp.tp_rank == 0, method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 2 and self.tp.tp_size > 1:
+            size = param.shape[1]
+            loaded = loaded.narrow(1, self.tp.tp_rank * size, size)
+        copy_checked(param, loaded, "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x, self.bias)
+        if self.tp.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        return y

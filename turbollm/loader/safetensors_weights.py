@@ -1,0 +1,47 @@
+"""Hugging Face safetensors folders → (name, fp32 tensor) pairs, memory-mapped, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from turbollm.errors import ModelFormatError
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shard files of a folder, from its index when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelFormatError(f"{index}: malformed index: {e}") from None
+        files = [folder / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise ModelFormatError(f"{index}: names shard {f.name}, which is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if name.startswith("model.language_model."):  # multimodal wrappers
+                        name = "model." + name[len("model.language_model."):]
+                    yield name, t.float() if t.is_floating_point() else t
+        except ModelFormatError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError for truncated/corrupt headers
+            raise ModelFormatError(f"{path}: cannot read safetensors file: {e}") from None

@@ -1,0 +1,167 @@
+"""Pieces shared by the decoder architectures: self-attention, gated MLP, the CausalLM shell.
+
+`CausalLM.load_weights` is the one loading loop for every checkpoint format: it receives
+(Hugging Face name, tensor) pairs, routes stacked projections (q/k/v → qkv_proj, gate/up →
+gate_up_proj) to their shard, and reports missing, unexpected or mis-shaped tensors by name.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from turbollm.config import ModelConfig
+from turbollm.errors import WeightLoadError
+from turbollm.layers.activation import GatedActivation
+from turbollm.layers.attention import Attention
+from turbollm.layers.embedding import LMHead, VocabEmbedding
+from turbollm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, copy_checked
+from turbollm.layers.norm import RMSNorm
+from turbollm.layers.rotary import RotaryEmbedding
+from turbollm.models.forward_batch import ForwardBatch
+from turbollm.quantization import LinearMethod
+
+
+class SelfAttention(nn.Module):
+    """QKV projection, optional per-head QK-norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = None,
+                 qk_norm_offset: float | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.attention_bias, method=method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, method=method)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        if qk_norm_offset is not None:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.layer_rope_theta(layer_idx))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attention_scale,
+                              cfg.layer_window(layer_idx), cfg.attn_logit_softcapping)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        out = self.attn(q, k, v, batch.kv_caches[self.layer_idx], batch.attn, batch.backend)
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, method=method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=method)
+        self.act = GatedActivation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+# checkpoint name fragment → (our parameter fragment, shard id)
+STACKED_PARAMS = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+
+
+class CausalLM(nn.Module):
+    """Shell shared by the architectures: `model` (the decoder), `lm_head`, weight loading, logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] of every new token."""
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, hf_layout: bool, source: str = "checkpoint") -> None:
+        """Load (HF name, tensor) pairs; raise WeightLoadError on missing/unexpected/mis-shaped tensors."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard = name, None
+            for ckpt_frag, our_frag, shard_id in STACKED_PARAMS:
+                if ckpt_frag in name:
+                    target, shard = name.replace(ckpt_frag, our_frag), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            try:
+                if hf_layout and hasattr(param, "hf_weight_loader"):
+                    param.hf_weight_loader(param, tensor)
+                elif hasattr(param, "weight_loader"):
+                    if shard is None:
+                        param.weight_loader(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard)
+                else:
+                    copy_checked(param, tensor, name)
+            except WeightLoadError as e:
+                raise WeightLoadError(f"{source}: tensor {name!r}: {e}") from None
+            loaded.add(f"{target}#{shard}" if shard is not None else target)
+        if unexpected:
+            raise WeightLoadError(f"{source}: unexpected tensors not used by the model: {', '.join(unexpected[:10])}"
+                                  + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+        missing = []
+        for pname, param in self.named_parameters():
+            if self.config.tie_word_embeddings and pname == "lm_head.weight":
+                continue
+            layer = self.get_submodule(pname.rsplit(".", 1)[0])
+            shards = _expected_shards(layer)
+            if shards is None:
+                if pname not in loaded:
+                    missing.append(pname)
+            else:
+                missing += [f"{pname}[{s}]" for s in shards if f"{pname}#{s}" not in loaded]
+        if missing:
+            raise WeightLoadError(f"{source}: missing tensors: {', '.join(missing[:10])}"
+                                  + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+        self.tie_weights()
+
+
+def _expected_shards(layer: nn.Module) -> list | None:
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(range(len(layer.output_sizes)))
+    return None
+
+
+def make_embedding(cfg: ModelConfig) -> VocabEmbedding:
+    return VocabEmbedding(cfg.vocab_size, cfg.hidden_size)

@@ -1,0 +1,63 @@
+"""Gemma 3 text decoder.
+
+Differences from Llama: embeddings scaled by sqrt(hidden); RMSNorm computes x·(1+w) (the
+GGUF converter stores 1+w, HF checkpoints store w: the norm's loader adds the one); four
+norms per block (pre/post around attention and around the MLP); per-head QK-norm;
+attention scale query_pre_attn_scalar^-0.5; GELU(tanh) MLP; 5 of every 6 layers attend
+within a sliding window with their own RoPE base; MQA on the small models.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbollm.config import ModelConfig
+from turbollm.layers.norm import RMSNorm
+from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
+from turbollm.models.forward_batch import ForwardBatch
+from turbollm.quantization import LinearMethod
+
+GEMMA_NORM_OFFSET = 1.0
+
+
+def _norm(cfg: ModelConfig) -> RMSNorm:
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, GEMMA_NORM_OFFSET)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, idx, method, qk_norm_offset=GEMMA_NORM_OFFSET)
+        self.mlp = GatedMLP(cfg, method)
+        self.input_layernorm = _norm(cfg)
+        self.post_attention_layernorm = _norm(cfg)
+        self.pre_feedforward_layernorm = _norm(cfg)
+        self.post_feedforward_layernorm = _norm(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None):
+        super().__init__()
+        self.embed_scale = cfg.embedding_multiplier
+        self.embed_tokens = make_embedding(cfg)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, method) for i in range(cfg.num_layers))
+        self.norm = _norm(cfg)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+        super().__init__(cfg)
+        self.model = Gemma3Model(cfg, method)
+        self.tie_weights()

@@ -1,0 +1,54 @@
+"""Llama-family decoder (SmolLM2, Llama) and Qwen2 (the same block with QKV bias).
+
+Block: x += attn(norm(x)); x += mlp(norm(x)). GQA through head grouping in the attention
+backend; tied embeddings when the checkpoint has no separate output matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbollm.config import ModelConfig
+from turbollm.layers.norm import RMSNorm
+from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
+from turbollm.models.forward_batch import ForwardBatch
+from turbollm.quantization import LinearMethod
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, idx, method)
+        self.mlp = GatedMLP(cfg, method)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None):
+        super().__init__()
+        self.embed_tokens = make_embedding(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, method) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+        super().__init__(cfg)
+        self.model = LlamaModel(cfg, method)
+        self.tie_weights()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the Llama block with biases on Q, K and V (set by the config's attention_bias)."""
