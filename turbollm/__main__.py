@@ -1,0 +1,3 @@
+from turbollm.cli.main import main
+import sys
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `turbollm` command line: one module per subcommand, registered in `main.COMMANDS`."""

@@ -1,0 +1,29 @@
+"""Command-line flags for engine arguments, named after EngineArgs fields (`--max-num-seqs`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from turbollm.engine.engine_args import EngineArgs
+
+
+def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    p.add_argument("--model", "-m", default=None if model_required else "smollm2-135m", required=model_required,
+                   help="catalog name, GGUF file, HF folder or hub id (default: smollm2-135m)")
+    p.add_argument("--quantization", default=None, help="weight quantization method (default: the checkpoint's own)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache budget in GiB")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model, quantization=ns.quantization, max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
+        seed=ns.seed, threads=ns.threads)

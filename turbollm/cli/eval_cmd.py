@@ -1,0 +1,40 @@
+"""`turbollm eval parity`: compare a model's logits and greedy output with transformers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a model")
+    esub = p.add_subparsers(dest="eval_command", metavar="EVAL", required=True)
+    par = esub.add_parser("parity", help="logits and greedy parity with Hugging Face transformers")
+    par.add_argument("--model", "-m", action="append", required=True, help="model(s) to check")
+    par.add_argument("--gen-tokens", type=int, default=32)
+    par.add_argument("--json", default=None, help="write the reports to this JSON file")
+    par.set_defaults(func=run_parity_cmd)
+
+
+def run_parity_cmd(ns: argparse.Namespace) -> int:
+    from turbollm.eval.parity import MARGIN, TOP5_TOL, run_parity
+    from turbollm.eval.prompts import PARITY_PROMPTS
+    from turbollm.loader import load_model
+
+    reports = []
+    for name in ns.model:
+        loaded = load_model(name)
+        rep = run_parity(loaded, PARITY_PROMPTS, ns.gen_tokens)
+        reports.append(rep.as_dict())
+        print(f"== {name}: {'PASS' if rep.ok else 'FAIL'} ({rep.seconds:.0f} s; margin {MARGIN}, top-5 tol {TOP5_TOL})")
+        print(f"  {'prompt':<8}{'tokens':>7}{'confident':>10}{'top1 miss':>10}{'top5 diff':>11}{'batched':>10}"
+              f"{'greedy eq':>10}{'1st tie':>8}")
+        for p in rep.prompts:
+            print(f"  {p.name:<8}{p.num_tokens:>7}{p.confident_positions:>10}{p.top1_mismatches:>10}"
+                  f"{p.max_top5_diff:>11.2e}{p.max_top5_diff_batched:>10.2e}{p.greedy_equal_prefix:>10}"
+                  f"{str(p.greedy_first_tie):>8}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(reports, f, indent=2)
+    return 0 if all(r["ok"] for r in reports) else 1

@@ -1,0 +1,44 @@
+"""Entry point of the `turbollm` command: parse, dispatch, and turn our errors into one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from turbollm.cli.eval_cmd import add_eval
+from turbollm.cli.generate_cmd import add_generate
+from turbollm.cli.models_cmd import add_models, add_pull
+from turbollm.errors import TurboLLMError
+
+COMMANDS = [add_pull, add_models, add_generate, add_eval]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from turbollm import __version__
+
+    parser = argparse.ArgumentParser(prog="turbollm", description="turbollm: LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"turbollm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(ns.func(ns) or 0)
+    except TurboLLMError as e:
+        print(f"turbollm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("turbollm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine core: requests, scheduler, KV-cache blocks, model runner, sampler."""

@@ -1,0 +1,65 @@
+"""EngineArgs: every knob of the engine, with vLLM's names and CPU-sensible defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from turbollm.errors import InvalidRequestError
+
+GiB = 1 << 30
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2-135m"
+    quantization: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default: a quarter of available RAM, at most 4 GiB
+    enable_prefix_caching: bool = True
+    seed: int | None = None
+    attention_backend: str = "torch"
+    threads: int | None = None  # torch threads; default: torch's own (all cores)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in ("float32", "auto"):
+            raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
+
+    def kv_cache_bytes(self) -> int:
+        if self.kv_cache_memory is not None:
+            return int(self.kv_cache_memory)
+        return int(min(4 * GiB, _available_memory() // 4))
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)
+
+
+def env_threads() -> int | None:
+    v = os.environ.get("TURBOLLM_THREADS")
+    return int(v) if v else None

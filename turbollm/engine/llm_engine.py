@@ -1,0 +1,209 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+`add_request` validates a request and queues its sequences (n of them); `step` asks the
+scheduler for a batch, runs it, samples, advances the counters, detokenizes, applies the
+stop rules and returns the outputs of every request that changed. `abort` ends a
+request at once and returns its KV blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from turbollm.attention import get_attention_backend
+from turbollm.engine.detokenizer import IncrementalDetokenizer
+from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.kv_cache import BlockPool, KVCacheSpec, allocate_kv_storage
+from turbollm.engine.model_runner import ModelRunner
+from turbollm.engine.sampler import Sampler, SampleResult, token_rank
+from turbollm.engine.scheduler import Scheduler
+from turbollm.engine.sequence import Sequence
+from turbollm.errors import InvalidRequestError
+from turbollm.loader import LoadedModel, load_model
+from turbollm.outputs import CompletionOutput, Logprob, RequestOutput
+from turbollm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        self.args = args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.loaded = loaded or load_model(args.model, quantization=args.quantization)
+        self.config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.kv_spec = KVCacheSpec.from_budget(self.config, args.kv_cache_bytes(), args.block_size)
+        self.pool = BlockPool(self.kv_spec.num_blocks)
+        self.scheduler = Scheduler(self.pool, args.block_size, args.max_num_seqs,
+                                   max(args.max_num_batched_tokens, args.block_size))
+        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(self.kv_spec), args.block_size,
+                                  get_attention_backend(args.attention_backend))
+        self.sampler = Sampler(args.seed)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: str | dict[str, Any] | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; return its id. Raises InvalidRequestError for bad prompts."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._req_ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but the maximum context length is {self.max_model_len} "
+                f"(room is needed for at least one generated token)")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        need_blocks = -(-(len(ids) + 1) // self.args.block_size)
+        if need_blocks > self.kv_spec.num_blocks:
+            raise InvalidRequestError(f"the prompt needs {need_blocks} KV blocks but the cache has only "
+                                      f"{self.kv_spec.num_blocks}; raise kv_cache_memory")
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params)
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + i)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, text, list(ids), params, seqs, time.monotonic())
+        return request_id
+
+    def _prompt_ids(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        out = self.runner.execute(sched)
+        for i, (first_pos, logits) in out.prompt_logits.items():
+            self._record_prompt_logprobs(sched.scheduled[i].seq, first_pos, logits)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        seqs = [sched.scheduled[i].seq for i in out.sample_index]
+        ends = [self._end_ids(seq) for seq in seqs]
+        results = self.sampler.sample(out.sample_logits, seqs, ends) if seqs else []
+        touched: dict[str, None] = {}
+        for seq, res, end in zip(seqs, results, ends):
+            self._append_token(seq, res, end)
+            touched[seq.request_id] = None
+        return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
+
+    def _end_ids(self, seq: Sequence) -> set[int]:
+        ends = set(seq.params.stop_token_ids or [])
+        if not seq.params.ignore_eos:
+            ends |= set(self.tokenizer.eos_token_ids)
+        return ends
+
+    def _append_token(self, seq: Sequence, res: SampleResult, end_ids: set[int]) -> None:
+        p = seq.params
+        seq.output_token_ids.append(res.token_id)
+        seq.cumulative_logprob += res.logprob
+        if p.logprobs is not None:
+            entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
+            for rank, (tid, lp) in enumerate(res.top, start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+            seq.output_logprobs.append(entry)
+        new_text = seq.detokenizer.add(res.token_id)
+        seq.text += new_text
+        n_out = len(seq.output_token_ids)
+        if res.token_id in end_ids and n_out >= p.min_tokens:
+            is_eos = res.token_id not in (p.stop_token_ids or [])
+            self._finish(seq, "stop", None if is_eos else res.token_id)
+            return
+        if p.stop_strings and n_out >= p.min_tokens:
+            window_start = max(0, len(seq.text) - len(new_text) - max(len(s) for s in p.stop_strings))
+            for stop in p.stop_strings:
+                idx = seq.text.find(stop, window_start)
+                if idx >= 0:
+                    seq.text = seq.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
+                    self._finish(seq, "stop", stop)
+                    return
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _record_prompt_logprobs(self, seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
+        k = seq.params.prompt_logprobs
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if k:
+            top_vals, top_idx = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        for row in range(logprobs.shape[0]):
+            pos = first_pos + row
+            token = seq.prompt_token_ids[pos]
+            entry = {token: Logprob(float(logprobs[row, token]), token_rank(logprobs[row], token), self._piece(token))}
+            if k:
+                for rank, (tid, lp) in enumerate(zip(top_idx[row].tolist(), top_vals[row].tolist()), start=1):
+                    entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+            seq.prompt_logprobs.append(entry)
+
+    def _request_output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None,
+                logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        finished = all(s.is_finished for s in req.seqs)
+        prompt_lp = req.seqs[0].prompt_logprobs if req.params.prompt_logprobs is not None else None
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp)

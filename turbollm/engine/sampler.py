@@ -1,0 +1,92 @@
+"""The sampler: logits → next tokens, per-request parameters applied row by row.
+
+Order: penalties (repetition, presence, frequency) on the raw logits, `min_tokens`
+(end tokens masked), temperature, top-k, top-p, min-p, then a draw from each request's own
+generator (seeded requests give the same tokens whatever else is in the batch). Greedy
+requests take the argmax. Logprobs are those of the raw model distribution (before any
+of the above), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turbollm.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # the top-k (id, logprob) when asked for
+
+
+def token_rank(logprobs: torch.Tensor, token: int) -> int:
+    """1 + the number of tokens strictly more likely than `token` (logprobs: [V])."""
+    return int((logprobs > logprobs[token]).sum().item()) + 1
+
+
+def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.int64)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.int64).unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    return logits
+
+
+def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False
+        logits = logits.scatter(0, order[drop], float("-inf"))
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self.default_generator = torch.Generator()
+        self.default_generator.manual_seed(seed if seed is not None else torch.seed())
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], end_token_ids: list[set[int]]) -> list[SampleResult]:
+        """One token for each row of `logits` [B, V] (row i belongs to seqs[i])."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        results = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            row = logits[i].clone()
+            row = _apply_penalties(row, seq)
+            if len(seq.output_token_ids) < p.min_tokens and end_token_ids[i]:
+                row[torch.tensor(sorted(end_token_ids[i]))] = float("-inf")
+            if p.greedy:
+                token = int(torch.argmax(row).item())
+            else:
+                probs = _filter(row, seq).softmax(-1)
+                gen = seq.generator or self.default_generator
+                token = int(torch.multinomial(probs, 1, generator=gen).item())
+            lp = raw_logprobs[i]
+            top: list[tuple[int, float]] = []
+            if p.logprobs:
+                vals, idx = torch.topk(lp, min(p.logprobs, lp.numel()))
+                top = list(zip(idx.tolist(), vals.tolist()))
+            rank = token_rank(lp, token) if p.logprobs is not None else 0
+            results.append(SampleResult(token, float(lp[token]), rank, top))
+        return results

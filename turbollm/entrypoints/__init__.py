@@ -1,0 +1,1 @@
+"""User-facing front ends: the offline `LLM` API and the CLI."""

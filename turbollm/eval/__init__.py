@@ -1,0 +1,1 @@
+"""Evaluation: parity against the reference implementation (and, later, perplexity)."""
