@@ -2,16 +2,17 @@
 
 The oracle for token ids, decoding and chat templates is transformers' tokenizer for the same
 GGUF (`AutoTokenizer.from_pretrained(folder, gguf_file=name)`), loaded once per module per model.
-Model tests skip when the catalog model is not cached (set TURBOLLM_TEST_DOWNLOAD=1 to pull it).
+Catalog models are pulled on first use (TURBOLLM_TEST_OFFLINE=1 skips instead); the 1.5b check
+runs only when that model is already cached.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from conftest import catalog_model_path
 from turbollm.errors import InvalidRequestError, ModelDownloadError, ModelFormatError, UnknownModelError
 from turbollm.formats.gguf_file import read_gguf
 from turbollm.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
@@ -47,14 +48,9 @@ MESSAGES = [
 ]
 
 
-def model_path(name: str) -> Path:
-    """The GGUF of catalog model `name`, through resolve_model; skips the test when it is not cached."""
-    from turbollm.hub.resolve import resolve_model
-
-    try:
-        return resolve_model(name, download=os.environ.get("TURBOLLM_TEST_DOWNLOAD") == "1").path
-    except (UnknownModelError, ModelDownloadError) as e:
-        pytest.skip(f"model {name} is not available: {e}")
+def model_path(name: str, download: bool | None = None) -> Path:
+    """The GGUF of catalog model `name` (pulled if missing; see conftest)."""
+    return catalog_model_path(name, download)
 
 
 def _load_reference(name: str):
@@ -234,7 +230,7 @@ def test_qwen_1_5b_shares_the_0_5b_tokenizer():
     (Only the chat templates differ, by one pair of braces in the tool-call example.)
     """
     small = read_gguf(model_path("qwen2.5-coder-0.5b")).metadata
-    large = read_gguf(model_path("qwen2.5-coder-1.5b")).metadata
+    large = read_gguf(model_path("qwen2.5-coder-1.5b", download=False)).metadata
     keys = sorted(k for k in small if k.startswith("tokenizer.ggml."))
     assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"} <= set(keys)
     assert keys == sorted(k for k in large if k.startswith("tokenizer.ggml."))

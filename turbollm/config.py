@@ -143,10 +143,23 @@ def config_from_gguf(gguf_file) -> ModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
     )
+    _check_against_tensors(gguf_file, cfg)
     ARCH_DEFAULTS[arch](cfg)
     if arch != "gemma3":
         cfg["sliding_window"] = None
     return ModelConfig(**cfg)
+
+
+def _check_against_tensors(gguf_file, cfg: dict[str, Any]) -> None:
+    """Reject metadata that disagrees with the tensors (a corrupt block_count would build a billion layers)."""
+    blocks = {int(n.split(".")[1]) for n in gguf_file.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if blocks != set(range(cfg["num_layers"])):
+        raise ModelFormatError(f"{gguf_file.path}: metadata says {cfg['num_layers']} blocks but the file has tensors "
+                               f"for {len(blocks)} (blk.0 .. blk.{max(blocks, default=-1)})")
+    width = gguf_file.tensors["token_embd.weight"].shape[-1]
+    if width != cfg["hidden_size"]:
+        raise ModelFormatError(f"{gguf_file.path}: metadata embedding_length {cfg['hidden_size']} does not match "
+                               f"token_embd.weight width {width}")
 
 
 def config_from_hf(folder: str | Path) -> ModelConfig:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from turbollm.cli.bench_cmd import add_bench
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
 from turbollm.errors import TurboLLMError
 
-COMMANDS = [add_pull, add_models, add_generate, add_eval]
+COMMANDS = [add_pull, add_models, add_generate, add_eval, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ file, a corrupt header, a tensor whose bytes run past the end of the file — be
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,7 @@ def _tensor_nbytes(qtype: int, ne: list[int], name: str, path: Path) -> tuple[in
         block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
     except (ValueError, KeyError):
         raise ModelFormatError(f"{path}: tensor {name!r} has unknown GGML type id {qtype}") from None
-    n = int(np.prod(ne, dtype=np.int64)) if ne else 1
+    n = math.prod(int(x) for x in ne)  # Python ints: a corrupt shape must not wrap around to a small size
     if ne and ne[0] % block_elems:
         raise ModelFormatError(f"{path}: tensor {name!r} row length {ne[0]} is not a multiple of "
                                f"its block size {block_elems}")
@@ -165,7 +166,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise ModelFormatError(f"{path}: corrupt GGUF header: {e}") from None
     if "general.architecture" not in metadata:
         raise ModelFormatError(f"{path}: GGUF metadata has no general.architecture")
-    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ModelFormatError(f"{path}: general.alignment must be a positive power of two, got {align!r}")
     data_start = (cur.pos + align - 1) // align * align
     size = len(mm)
     tensors: dict[str, GGUFTensor] = {}
@@ -180,11 +183,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raw = mm[start:start + nbytes]
         shape = tuple(int(n) for n in reversed(ne))
         qt = gguf.GGMLQuantizationType(qtype)
-        if block_elems == 1:  # plain element types: give the typed view
-            data = raw.view(np.dtype(_PLAIN_DTYPES.get(qt, "<u1"))).reshape(shape)
-        else:
-            rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-            data = raw.reshape(rows, -1) if rows else raw.reshape(0, 0)
+        try:
+            if block_elems == 1:  # plain element types: give the typed view
+                data = raw.view(np.dtype(_PLAIN_DTYPES.get(qt, "<u1"))).reshape(shape)
+            else:
+                rows = math.prod(shape[:-1])
+                data = raw.reshape(rows, -1) if rows else raw.reshape(0, 0)
+        except ValueError as e:
+            raise ModelFormatError(f"{path}: tensor {name!r} has an invalid shape {shape}: {e}") from None
         tensors[name] = GGUFTensor(name, qtype, shape, data)
     return GGUFFile(path, version, metadata, tensors)
 

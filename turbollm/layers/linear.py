@@ -75,9 +75,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.tp
         offset = sum(self.output_sizes[:shard_id]) // tp.tp_size
         size = self.output_sizes[shard_id] // tp.tp_size
-        if loaded.shape[0] != self.output_sizes[shard_id]:
-            raise WeightLoadError(f"merged shard {shard_id}: checkpoint has {loaded.shape[0]} rows, "
-                                  f"the model expects {self.output_sizes[shard_id]}")
+        expected = (self.output_sizes[shard_id], *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise WeightLoadError(f"merged shard {shard_id}: checkpoint shape {tuple(loaded.shape)} does not match "
+                                  f"the model's {expected}")
         copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp.tp_rank * size, size),
                      f"merged shard {shard_id}")
 
@@ -89,6 +90,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  method: LinearMethod | None = None):
         tp = get_tp()
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp.tp_size)
         self.num_kv_heads = max(1, num_kv_heads // tp.tp_size)
         self.kv_replicas = max(1, tp.tp_size // num_kv_heads)
@@ -112,6 +114,13 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, rank = self.kv_size, tp.tp_rank // self.kv_replicas
         else:
             raise WeightLoadError(f"unknown QKV shard {shard_id!r}")
+        # Check the whole checkpoint tensor before slicing: narrow() would silently drop extra
+        # rows, or fail with a bare RuntimeError on too few.
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        expected = (heads * self.head_dim, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise WeightLoadError(f"{shard_id}_proj: checkpoint shape {tuple(loaded.shape)} does not match "
+                                  f"the model's {expected}")
         copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from turbollm.config import ModelConfig
-from turbollm.errors import WeightLoadError
+from turbollm.errors import UnsupportedTensorTypeError, WeightLoadError
 from turbollm.formats.gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
@@ -84,7 +84,10 @@ def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, t
             if name == "rope_freqs.weight":
                 raise WeightLoadError(f"{gguf.path}: tensor {name!r} (RoPE frequency scaling) is not supported yet")
             raise WeightLoadError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.arch}")
-        w = dequantize_tensor(t)
+        try:
+            w = dequantize_tensor(t)
+        except UnsupportedTensorTypeError as e:
+            raise UnsupportedTensorTypeError(f"{gguf.path}: {e}") from None
         if cfg.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
             w = unpermute_rows(w, cfg.num_heads if "q_proj" in target else cfg.num_kv_heads)
         yield target, w

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from turbollm.config import ModelConfig, config_from_gguf, config_from_hf
+from turbollm.errors import ModelFormatError
 from turbollm.hub.resolve import CheckpointFormat, ResolvedModel, resolve_model
 from turbollm.models import build_model
 from turbollm.models.common import CausalLM
@@ -50,7 +51,10 @@ def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype
 
         gguf = read_gguf(resolved.path)
         cfg = config_from_gguf(gguf)
-        tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        try:
+            tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        except ModelFormatError as e:  # the tokenizer sees only the metadata: name the file here
+            raise ModelFormatError(f"{gguf.path}: {e}") from None
         weights, hf_layout, file_bytes = iter_gguf_weights(gguf, cfg), False, gguf.tensor_bytes
     else:
         from turbollm.loader.safetensors_weights import iter_safetensors_weights, safetensors_files

@@ -148,11 +148,19 @@ class CausalLM(nn.Module):
                 if pname not in loaded:
                     missing.append(pname)
             else:
-                missing += [f"{pname}[{s}]" for s in shards if f"{pname}#{s}" not in loaded]
+                missing += [_checkpoint_name(pname, s) for s in shards if f"{pname}#{s}" not in loaded]
         if missing:
             raise WeightLoadError(f"{source}: missing tensors: {', '.join(missing[:10])}"
                                   + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
         self.tie_weights()
+
+
+def _checkpoint_name(pname: str, shard) -> str:
+    """The checkpoint's name for one shard of a fused parameter (qkv_proj.weight, k → k_proj.weight)."""
+    for ckpt_frag, our_frag, shard_id in STACKED_PARAMS:
+        if our_frag in pname and shard_id == shard:
+            return pname.replace(our_frag, ckpt_frag)
+    return f"{pname}[{shard}]"
 
 
 def _expected_shards(layer: nn.Module) -> list | None:

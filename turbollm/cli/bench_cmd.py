@@ -1,0 +1,54 @@
+"""`turbollm bench load`: how long a model takes to load and how much memory it holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    load = bsub.add_parser("load", help="load time and resident memory of a model")
+    load.add_argument("--model", "-m", default="smollm2-135m")
+    load.add_argument("--json", action="store_true")
+    load.set_defaults(func=run_bench_load)
+
+
+def run_bench_load(ns: argparse.Namespace) -> int:
+    import torch
+
+    from turbollm.hub.resolve import resolve_model
+    from turbollm.loader import load_model
+
+    resolve_model(ns.model)  # pull outside the timed region
+    rss0 = _rss_bytes()
+    t0 = time.perf_counter()
+    loaded = load_model(ns.model)
+    seconds = time.perf_counter() - t0
+    rss1 = _rss_bytes()
+    rec = {
+        "model": ns.model, "format": loaded.resolved.format.value, "arch": loaded.config.arch,
+        "threads": torch.get_num_threads(), "load_seconds": round(seconds, 2),
+        "file_tensor_MB": round(loaded.file_tensor_bytes / 1e6, 1),
+        "weights_resident_MB": round(loaded.weight_bytes / 1e6, 1),
+        "weights_dtype": "float32",
+        "rss_after_load_MB": round(rss1 / 1e6, 1), "rss_delta_MB": round((rss1 - rss0) / 1e6, 1),
+        "peak_rss_MB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
+    }
+    if ns.json:
+        print(json.dumps(rec))
+    else:
+        for k, v in rec.items():
+            print(f"{k:>22}: {v}")
+    return 0
