@@ -43,3 +43,7 @@ class WeightLoadError(TurboLLMError):
 
 class InvalidRequestError(TurboLLMError, ValueError):
     """A request the engine cannot serve as given (empty prompt, over the context, bad params)."""
+
+
+class BenchmarkError(TurboLLMError):
+    """A benchmark that cannot run as asked (missing data file, impossible lengths, an option not built yet)."""

@@ -35,6 +35,12 @@ class SamplingParams:
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"SamplingParams.{name}: {why}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(name, f"must be a number, got {v!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)):
+            raise bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
@@ -60,10 +66,16 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise bad(name, f"must be a non-negative integer, got {v!r}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise bad("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
         self._stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in self._stop_list):
-            raise bad("stop", "stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            raise bad("stop", "stop entries must be non-empty strings")
+        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple)) or
+                                                not all(isinstance(t, int) for t in self.stop_token_ids)):
+            raise bad("stop_token_ids", "must be a list of integer token ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
+
 
     @property
     def greedy(self) -> bool:

@@ -75,19 +75,70 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return out.reshape(Hq, L, D).permute(1, 0, 2).reshape(L, Hq * D).to(q.dtype)
 
 
+def attend_decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """One new token for each of B sequences, in one batched product.
+
+    q: [B, Hq, D]; block_tables: [B, W]; seq_lens: [B] (the new token included). Keys are
+    gathered to [B, W*block_size] and positions past each sequence's length are masked.
+    Returns [B, Hq * D].
+    """
+    B, Hq, D = q.shape
+    bs, Hk = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hk
+    max_len = int(seq_lens.max())
+    width = -(-max_len // bs)
+    tables = block_tables[:, :width]
+    k = k_cache[tables].reshape(B, width * bs, Hk, D)[:, :max_len].permute(0, 2, 1, 3)  # [B, Hk, S, D]
+    v = v_cache[tables].reshape(B, width * bs, Hk, D)[:, :max_len].permute(0, 2, 1, 3)
+    qg = q.float().reshape(B, Hk, G, D)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hk, G, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    kpos = torch.arange(max_len).unsqueeze(0)  # [1, S]
+    last = (seq_lens - 1).unsqueeze(1)  # position of the new token
+    allowed = kpos <= last
+    if window is not None:
+        allowed &= kpos > last - window
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float())  # [B, Hk, G, D]
+    return out.reshape(B, Hq * D).to(q.dtype)
+
+
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
-    """Plain PyTorch attention over the paged cache, one sequence at a time (CPU default)."""
+    """Plain PyTorch attention over the paged cache (CPU default).
+
+    Sequences that add one token (decodes) are attended together in one batched product;
+    sequences that add several (prefill chunks) one at a time.
+    """
 
     def forward(self, q, k_cache, v_cache, meta, scale, window, softcap):
-        outs = []
+        qsl = meta.query_start_loc
+        decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        if len(decode) == meta.num_seqs and len(decode) > 1:
+            lens = torch.tensor(meta.seq_lens)
+            return attend_decode_batch(q.reshape(meta.num_seqs, *q.shape[1:]), k_cache, v_cache, meta.block_tables,
+                                       lens, scale, window, softcap)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if len(decode) > 1:
+            rows = torch.tensor([qsl[i] for i in decode])
+            lens = torch.tensor([meta.seq_lens[i] for i in decode])
+            out[rows] = attend_decode_batch(q[rows], k_cache, v_cache, meta.block_tables[rows.new_tensor(decode)],
+                                            lens, scale, window, softcap)
+            decode_set = set(decode)
+        else:
+            decode_set = set()
         for i in range(meta.num_seqs):
-            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if i in decode_set:
+                continue
+            start, end = qsl[i], qsl[i + 1]
             seq_len = meta.seq_lens[i]
             k = gather_kv(k_cache, meta.block_tables[i], seq_len)
             v = gather_kv(v_cache, meta.block_tables[i], seq_len)
-            outs.append(attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap))
-        return torch.cat(outs, dim=0)
+            out[start:end] = attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap)
+        return out
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:

@@ -1,4 +1,4 @@
-"""`turbollm bench load`: how long a model takes to load and how much memory it holds."""
+"""`turbollm bench`: `load` (load time and resident memory) here; `throughput` and `latency` in bench_perf_cmd."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import resource
 import time
+
+from turbollm.cli.bench_perf_cmd import add_perf_benches
 
 
 def _rss_bytes() -> int:
@@ -23,6 +25,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--model", "-m", default="smollm2-135m")
     load.add_argument("--json", action="store_true")
     load.set_defaults(func=run_bench_load)
+    add_perf_benches(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

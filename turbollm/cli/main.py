@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from turbollm.cli.bench_cmd import add_bench
+from turbollm.cli.chat_cmd import add_chat
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
 from turbollm.errors import TurboLLMError
 
-COMMANDS = [add_pull, add_models, add_generate, add_eval, add_bench]
+COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,14 +1,24 @@
-"""Paged KV cache: per-layer block storage and the block pool that hands blocks out.
+"""Paged KV cache: per-layer block storage and the block pool with prefix caching.
 
 Storage per layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V.
-The pool keeps a free list and a reference count per block; a sequence's block table
-lists its blocks in order, so token t of the sequence lives in slot
+A sequence's block table lists its blocks in order, so token t lives in slot
 `block_table[t // block_size] * block_size + t % block_size`.
+
+The pool owns every block's reference count. With prefix caching on, a block whose
+`block_size` tokens are all computed is indexed by a hash chained over the tokens of every
+block before it (so equal hashes mean equal prefixes, hence equal K/V). When its last
+user releases it, a hashed block keeps its contents and its index entry and waits in the
+free queue; a later request with the same prefix takes it back (a hit) and the
+allocator only reuses it — evicting the entry — when it reaches the front of the queue,
+least recently released first. A block shared by several sequences (reference count > 1)
+is never written: the scheduler copies it first (copy-on-write).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +37,16 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int,
@@ -47,13 +62,39 @@ def allocate_kv_storage(spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Ten
     return [(torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype)) for _ in range(spec.num_layers)]
 
 
-class BlockPool:
-    """Free list + reference counts over `num_blocks` fixed-size blocks."""
+def hash_block(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
+    """The prefix-cache key of a full block: a digest of the parent block's key and its tokens."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(array("q", tokens).tobytes())
+    h.update(extra)
+    return h.digest()
 
-    def __init__(self, num_blocks: int):
+
+@dataclass
+class CacheStats:
+    """Prefix-cache counters, in tokens (queries: prompt tokens looked up; hits: found cached)."""
+
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0  # cached blocks whose entry was dropped to reuse the block
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockPool:
+    """Reference-counted blocks, an LRU free queue, and the hash index of full blocks."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
         self.num_blocks = num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # front = reused first
+        self.cached: dict[bytes, int] = {}
+        self.stats = CacheStats()
 
     @property
     def num_free(self) -> int:
@@ -63,16 +104,48 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
     def allocate(self) -> int:
+        """Take the block at the front of the free queue (evicting its cache entry, if any)."""
         if not self.free:
             raise RuntimeError("no free KV-cache block")  # the scheduler checks first
-        block = self.free.popleft()
+        block, _ = self.free.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            self.stats.evictions += 1
         self.ref_counts[block] = 1
         return block
 
+    def lookup(self, h: bytes) -> int | None:
+        """The cached block holding the prefix `h`, or None."""
+        return self.cached.get(h) if self.enable_caching else None
+
+    def touch(self, block: int) -> None:
+        """Add a user to `block` (taking it out of the free queue if it was idle)."""
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
     def release(self, blocks: list[int]) -> None:
-        for b in blocks:
+        """Drop one user of each block; idle blocks join the free queue, tail blocks first in line."""
+        for b in reversed(blocks):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0, f"block {b} released twice"
             if self.ref_counts[b] == 0:
-                self.free.append(b)
+                self.free[b] = None
+                if self.block_hash[b] is None:  # nothing worth keeping: reuse it first
+                    self.free.move_to_end(b, last=False)
+
+    def cache_full_block(self, block: int, h: bytes) -> None:
+        """Index a block whose tokens are all computed under its prefix hash `h`."""
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        if h not in self.cached:
+            self.cached[h] = block
+            self.block_hash[block] = h

@@ -9,6 +9,7 @@ request at once and returns its KV blocks.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ from turbollm.errors import InvalidRequestError
 from turbollm.loader import LoadedModel, load_model
 from turbollm.outputs import CompletionOutput, Logprob, RequestOutput
 from turbollm.sampling_params import SamplingParams
+
+logger = logging.getLogger("turbollm")
 
 
 @dataclass
@@ -50,7 +53,11 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.kv_spec = KVCacheSpec.from_budget(self.config, args.kv_cache_bytes(), args.block_size)
-        self.pool = BlockPool(self.kv_spec.num_blocks)
+        self.pool = BlockPool(self.kv_spec.num_blocks, enable_caching=args.enable_prefix_caching)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s, prefix caching %s)",
+                    self.kv_spec.num_blocks, args.block_size, self.kv_spec.num_tokens,
+                    self.kv_spec.total_bytes / (1 << 20), str(self.kv_spec.dtype).replace("torch.", ""),
+                    "on" if args.enable_prefix_caching else "off")
         self.scheduler = Scheduler(self.pool, args.block_size, args.max_num_seqs,
                                    max(args.max_num_batched_tokens, args.block_size))
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(self.kv_spec), args.block_size,
@@ -82,16 +89,38 @@ class LLMEngine:
         if need_blocks > self.kv_spec.num_blocks:
             raise InvalidRequestError(f"the prompt needs {need_blocks} KV blocks but the cache has only "
                                       f"{self.kv_spec.num_blocks}; raise kv_cache_memory")
-        seqs = []
-        for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params)
-            if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + i)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            seqs.append(seq)
-            self.scheduler.add(seq)
-        self.requests[request_id] = _Request(request_id, text, list(ids), params, seqs, time.monotonic())
+        # With n > 1 one sequence computes the prompt; its siblings fork off it (sharing its
+        # blocks, copy-on-write) when the first token is sampled.
+        seq = self._new_seq(request_id, 0, list(ids), params)
+        seq.pending_forks = params.n - 1
+        self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, text, list(ids), params, [seq], time.monotonic())
         return request_id
+
+    def _new_seq(self, request_id: str, index: int, ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request_id, index, ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed + index)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        return seq
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Create the parent's n-1 siblings, sharing its computed blocks."""
+        req = self.requests[parent.request_id]
+        children = []
+        for i in range(1, parent.pending_forks + 1):
+            child = self._new_seq(parent.request_id, i, list(parent.prompt_token_ids), parent.params)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_table = list(parent.block_table)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_cached_blocks = parent.num_cached_blocks
+            for b in child.block_table:
+                self.pool.touch(b)
+            self.scheduler.add_running(child)
+            req.seqs.append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
 
     def _prompt_ids(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -128,9 +157,16 @@ class LLMEngine:
             self._record_prompt_logprobs(sched.scheduled[i].seq, first_pos, logits)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-        seqs = [sched.scheduled[i].seq for i in out.sample_index]
+            self.scheduler.cache_computed_blocks(s.seq)
+        seqs, rows = [], []
+        for row, i in enumerate(out.sample_index):
+            seq = sched.scheduled[i].seq
+            for sib in [seq] + (self._fork(seq) if seq.pending_forks else []):
+                seqs.append(sib)
+                rows.append(row)
+        logits = out.sample_logits[rows] if rows != list(range(len(out.sample_index))) else out.sample_logits
         ends = [self._end_ids(seq) for seq in seqs]
-        results = self.sampler.sample(out.sample_logits, seqs, ends) if seqs else []
+        results = self.sampler.sample(logits, seqs, ends) if seqs else []
         touched: dict[str, None] = {}
         for seq, res, end in zip(seqs, results, ends):
             self._append_token(seq, res, end)

@@ -52,8 +52,19 @@ class ModelRunner:
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta,
                             self.kv_caches, self.backend)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate the K/V of block src into block dst in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs])
+        dst = torch.tensor([p[1] for p in pairs])
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.copy_blocks(sched.copy_blocks)
         batch = self.prepare(sched)
         hidden = self.model(batch)
         qsl = batch.attn.query_start_loc

@@ -3,10 +3,12 @@
 Each step it first continues running sequences (decodes, and prompts being prefilled in
 chunks), oldest first, then admits waiting ones while the token budget
 (`max_num_batched_tokens`), the sequence cap (`max_num_seqs`) and free KV blocks allow.
-A prompt longer than the remaining budget is prefilled in chunks over several steps.
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks return to the pool and it goes back to the front of the queue, to
-be recomputed later. Nothing is dropped.
+An admitted sequence first takes whatever prefix of it the prefix cache holds (its
+computed count starts there). A prompt longer than the remaining budget is prefilled in
+chunks over several steps. When a running sequence needs a block and none is free, the
+newest running sequence is preempted: its blocks return to the pool and it goes back to
+the front of the queue, to be recomputed later. Nothing is dropped. A shared block that
+a sequence is about to write into is copied first (copy-on-write).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from turbollm.engine.kv_cache import BlockPool
+from turbollm.engine.kv_cache import BlockPool, hash_block
 from turbollm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -33,6 +35,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward pass
 
     @property
     def num_batched_tokens(self) -> int:
@@ -54,9 +57,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Add a sequence that already holds blocks (a forked sibling) straight to the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------ blocks
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = seq.num_computed_tokens + num_new
         return max(0, -(-total // self.block_size) - len(seq.block_table))
@@ -64,6 +73,63 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_new: int) -> None:
         for _ in range(self._blocks_needed(seq, num_new)):
             seq.block_table.append(self.pool.allocate())
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in the block table of the block `seq` writes next, if another sequence shares it."""
+        idx = seq.num_computed_tokens // self.block_size
+        if idx < len(seq.block_table) and self.pool.ref_counts[seq.block_table[idx]] > 1:
+            return idx
+        return None
+
+    def _copy_on_write(self, seq: Sequence, idx: int, out: SchedulerOutput) -> None:
+        """Give `seq` its own copy of shared block `idx` before it writes there."""
+        src = seq.block_table[idx]
+        dst = self.pool.allocate()
+        self.pool.release([src])
+        seq.block_table[idx] = dst
+        out.copy_blocks.append((src, dst))
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Prefix keys of the sequence's first `num_blocks` full blocks (computed once, kept)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            tokens = [seq.token_at(t) for t in range(i * bs, (i + 1) * bs)]
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+        return hashes
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Point a fresh sequence at the cached blocks of its longest cached prefix."""
+        if not self.pool.enable_caching or seq.num_computed_tokens or seq.block_table:
+            return
+        max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
+        self.pool.stats.queries += seq.num_tokens
+        for h in self._hashes(seq, max_blocks):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            self.pool.touch(block)
+            seq.block_table.append(block)
+        seq.num_computed_tokens = seq.num_cached_blocks = len(seq.block_table)
+        seq.num_computed_tokens *= self.block_size
+        self.pool.stats.hits += seq.num_computed_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: index the sequence's newly full blocks in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_cached_blocks, full):
+            self.pool.cache_full_block(seq.block_table[i], hashes[i])
+        seq.num_cached_blocks = full
+
+    def free_blocks(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -74,10 +140,7 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
-    def free_blocks(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-
+    # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -87,20 +150,24 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while self._blocks_needed(seq, n) > self.pool.num_free:
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq not in self.running:
+            shared = self._shared_write_block(seq)
+            need = self._blocks_needed(seq, n) + (shared is not None)
+            while need > self.pool.num_free and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
+            if need > self.pool.num_free:
+                self._preempt(seq, out)
                 continue
+            if shared is not None:
+                self._copy_on_write(seq, shared, out)
             self._grow(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._blocks_needed(seq, n) > self.pool.num_free:
+                self._undo_prefix(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -109,6 +176,13 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _undo_prefix(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.stats.hits -= seq.num_computed_tokens
+        self.pool.stats.queries -= seq.num_tokens if self.pool.enable_caching else 0
+        self.free_blocks(seq)
+        seq.num_computed_tokens = 0
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and return its blocks."""

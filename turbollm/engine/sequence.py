@@ -41,6 +41,9 @@ class Sequence:
     text: str = ""
     generator: object = None  # torch.Generator when the request has a seed
     detokenizer: object = None
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks, in order
+    num_cached_blocks: int = 0  # leading blocks already indexed in the prefix cache
+    pending_forks: int = 0  # n > 1: siblings to fork off once the prompt is computed
 
     @property
     def all_token_ids(self) -> list[int]:

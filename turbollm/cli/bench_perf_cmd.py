@@ -1,0 +1,214 @@
+"""`turbollm bench throughput` and `turbollm bench latency`: the parsers and the runs.
+
+The measuring code lives in `turbollm/benchmarks/`; this module builds the engine (or the
+transformers model), the requests and the setting block, prints, and writes `--json FILE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import asdict
+
+from turbollm.benchmarks.physics import add_ceiling_flags, ceilings_from
+from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
+from turbollm.errors import BenchmarkError
+
+PHYSICS_NOTES = {
+    "GBps": "weight bytes read per step x steps/s (fp32 resident weights; an untied input-embedding table is "
+            "not counted, a tied one is the LM head); +KV adds the ideal K/V reads of the step's contexts",
+    "GFLOPs": "2 x decoder linear params per processed token + 2 x lm_head params per sampled row "
+              "(attention QK^T/PV, norms, activations not counted)",
+}
+
+
+def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
+    tp = bsub.add_parser("throughput", help="offline throughput: all requests at once (turbollm and/or transformers)")
+    add_engine_flags(tp)
+    tp.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    tp.add_argument("--data-dir", default=None, help="folder holding sharegpt/ShareGPT_V3_filtered_500.json "
+                                                     "(default: ../shared/data beside the repository)")
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--output-len", type=int, default=128, help="tokens every request generates (exactly)")
+    tp.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
+    tp.add_argument("--max-input-len", type=int, default=1024, help="ShareGPT prompts are cut to this many tokens")
+    tp.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    tp.add_argument("--backend", choices=["turbollm", "hf", "both"], default="turbollm")
+    tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
+                    help="transformers static batch size(s); with several, each is run and the best is compared")
+    tp.add_argument("--no-warmup", action="store_true", help="skip the tiny untimed warm-up request per backend")
+    tp.add_argument("--progress", action="store_true", help="show turbollm's progress bar")
+    tp.add_argument("--json", metavar="FILE", default=None, help="write setting and results to FILE")
+    add_ceiling_flags(tp)
+    tp.set_defaults(func=run_bench_throughput)
+
+    lat = bsub.add_parser("latency", help="time to first token and per-token decode latency of one batch")
+    add_engine_flags(lat)
+    lat.add_argument("--input-len", type=int, default=512)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    lat.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    lat.add_argument("--compare", choices=["llama.cpp"], default=None,
+                     help="also measure llama.cpp on the same model (not available yet)")
+    lat.add_argument("--json", metavar="FILE", default=None, help="write setting and results to FILE")
+    add_ceiling_flags(lat)
+    lat.set_defaults(func=run_bench_latency)
+
+
+def _kv_itemsize(engine) -> int:
+    import torch
+
+    dtype = getattr(getattr(engine, "kv_spec", None), "dtype", torch.float32)
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _tokenizer_and_config(resolved):
+    from turbollm.config import config_from_gguf, config_from_hf
+    from turbollm.hub.resolve import CheckpointFormat
+    from turbollm.tokenizer import Tokenizer
+
+    if resolved.format is CheckpointFormat.GGUF:
+        from turbollm.formats.gguf_file import read_gguf
+
+        gguf = read_gguf(resolved.path)
+        return Tokenizer.from_gguf(gguf.metadata), config_from_gguf(gguf)
+    return Tokenizer.from_hf_folder(resolved.path), config_from_hf(resolved.path)
+
+
+def _requests(ns, tokenizer):
+    from turbollm.benchmarks.datasets import random_requests, sharegpt_requests
+
+    for name in ("num_prompts", "output_len", "input_len", "max_input_len"):
+        if getattr(ns, name) < 1:
+            raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.dataset == "sharegpt":
+        return sharegpt_requests(tokenizer, ns.num_prompts, ns.output_len, ns.max_input_len, ns.data_dir)
+    return random_requests(tokenizer, ns.num_prompts, ns.input_len, ns.output_len, ns.prompt_seed)
+
+
+def bench_throughput(ns: argparse.Namespace) -> dict:
+    """Run the throughput benchmark the flags describe; print and return the record (setting + results)."""
+    import torch
+
+    from turbollm.benchmarks import hf_backend, throughput
+    from turbollm.benchmarks.datasets import fit_to_context, length_summary
+    from turbollm.benchmarks.physics import physics_of_hf, physics_of_turbollm
+    from turbollm.benchmarks.report import engine_setting, machine_setting, model_setting, print_block, write_json
+    from turbollm.entrypoints.llm import LLM
+    from turbollm.hub.resolve import resolve_model
+
+    ceilings = ceilings_from(ns)
+    args = engine_args_from(ns)
+    run_turbo, run_hf = ns.backend in ("turbollm", "both"), ns.backend in ("hf", "both")
+    if any(b < 1 for b in ns.hf_batch_size):
+        raise BenchmarkError("--hf-batch-size must be >= 1")
+    llm = hf = None
+    if run_turbo:
+        llm = LLM(**asdict(args))
+        engine = llm.engine
+        resolved, config, tokenizer = engine.loaded.resolved, engine.config, llm.get_tokenizer()
+        phys = physics_of_turbollm(engine.loaded, _kv_itemsize(engine))
+        max_len = engine.max_model_len
+    else:
+        if ns.threads:
+            torch.set_num_threads(ns.threads)
+        resolved = resolve_model(ns.model)
+        tokenizer, config = _tokenizer_and_config(resolved)
+        hf = hf_backend.load_hf_model(resolved)
+        phys = physics_of_hf(hf)
+        max_len = min(ns.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    requests, cut = fit_to_context(_requests(ns, tokenizer), max_len)
+
+    workload = {"dataset": ns.dataset, **length_summary(requests)}
+    if ns.dataset == "sharegpt":
+        workload.update(max_input_len=ns.max_input_len, order="first N records in file order")
+    else:
+        workload.update(input_len=ns.input_len, prompt_seed=ns.prompt_seed)
+    workload.update(prompts_cut_to_fit_context=cut,
+                    sampling="greedy, ignore_eos: every request yields exactly output_len tokens",
+                    warmup="none" if ns.no_warmup else "one tiny untimed request per backend")
+    setting = {"benchmark": "throughput", "backend": ns.backend, "model": model_setting(resolved, config, phys),
+               "machine": machine_setting(ceilings), "workload": workload}
+    if run_turbo:
+        setting["engine_args"] = engine_setting(args)
+    if run_hf:
+        import transformers
+
+        setting["hf"] = {"transformers": transformers.__version__, "batch_sizes": list(ns.hf_batch_size),
+                         "batching": "static batches, requests sorted by prompt length (shortest first) to reduce "
+                                     "padding; left padding + attention mask; fp32; same prompt ids and threads"}
+    setting["physics_notes"] = PHYSICS_NOTES
+    print_block("setting", setting)
+
+    results: dict = {}
+    if run_turbo:
+        results["turbollm"] = throughput.run_turbollm_throughput(llm, requests, phys, ceilings,
+                                                                 warmup=not ns.no_warmup, use_tqdm=ns.progress)
+        print_block("turbollm", results["turbollm"])
+    if run_hf:
+        if hf is None:
+            del llm, engine  # free the engine's weights and KV cache before transformers loads its copy
+            gc.collect()
+            hf = hf_backend.load_hf_model(resolved)
+        hf_phys = physics_of_hf(hf)
+        runs = []
+        for i, bs in enumerate(ns.hf_batch_size):
+            runs.append(hf_backend.run_hf_throughput(hf, tokenizer, requests, bs, hf_phys, ceilings,
+                                                     warmup=(i == 0 and not ns.no_warmup)))
+            print_block(f"hf (batch size {bs})", runs[-1])
+        best = hf_backend.best_run(runs)
+        results["hf"] = {"runs": runs, "best_batch_size": best["batch_size"], "best": best}
+    if run_turbo and run_hf:
+        results["comparison"] = throughput.side_by_side(results["turbollm"], results["hf"]["best"])
+        print_block("turbollm vs transformers (same requests, threads, fp32)", results["comparison"])
+    record = {"benchmark": "throughput", "setting": setting, "results": results}
+    write_json(ns.json, record)
+    return record
+
+
+def bench_latency(ns: argparse.Namespace) -> dict:
+    """Run the latency benchmark the flags describe; print and return the record (setting + results)."""
+    from turbollm.benchmarks.latency import run_latency
+    from turbollm.benchmarks.physics import physics_of_turbollm
+    from turbollm.benchmarks.report import engine_setting, machine_setting, model_setting, print_block, write_json
+    from turbollm.engine.llm_engine import LLMEngine
+
+    if ns.compare:
+        raise BenchmarkError(f"--compare {ns.compare} is not available yet (a later issue adds the llama.cpp anchor)")
+    for name in ("input_len", "output_len", "batch_size", "num_iters"):
+        if getattr(ns, name) < 1:
+            raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.warmup < 0:
+        raise BenchmarkError("--warmup must be >= 0")
+    if ns.batch_size > ns.max_num_seqs:
+        raise BenchmarkError(f"--batch-size {ns.batch_size} exceeds --max-num-seqs {ns.max_num_seqs}")
+    ceilings = ceilings_from(ns)
+    args = engine_args_from(ns)
+    engine = LLMEngine(args)
+    phys = physics_of_turbollm(engine.loaded, _kv_itemsize(engine))
+    setting = {"benchmark": "latency", "model": model_setting(engine.loaded.resolved, engine.config, phys),
+               "machine": machine_setting(ceilings),
+               "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "batch_size": ns.batch_size,
+                            "num_iters": ns.num_iters, "warmup_iters": ns.warmup, "prompt_seed": ns.prompt_seed,
+                            "prompts": "random token ids (special tokens excluded), a fresh draw per request",
+                            "sampling": "greedy, ignore_eos"},
+               "engine_args": engine_setting(args), "physics_notes": PHYSICS_NOTES}
+    print_block("setting", setting)
+    results = run_latency(engine, phys, ceilings, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters,
+                          ns.warmup, ns.prompt_seed)
+    print_block("latency", results)
+    record = {"benchmark": "latency", "setting": setting, "results": results}
+    write_json(ns.json, record)
+    return record
+
+
+def run_bench_throughput(ns: argparse.Namespace) -> int:
+    bench_throughput(ns)
+    return 0
+
+
+def run_bench_latency(ns: argparse.Namespace) -> int:
+    bench_latency(ns)
+    return 0
