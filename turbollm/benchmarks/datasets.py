@@ -37,13 +37,19 @@ def default_data_dir() -> Path:
     return (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
 
 
-def sharegpt_requests(tokenizer, num_prompts: int, output_len: int, max_input_len: int,
-                      data_dir: str | Path | None = None) -> list[BenchRequest]:
-    """The first `num_prompts` ShareGPT prompts in file order, each cut to `max_input_len` tokens."""
-    path = Path(data_dir).expanduser() / SHAREGPT_FILE if data_dir else default_data_dir() / SHAREGPT_FILE
+def sharegpt_path(data_dir: str | Path | None = None) -> Path:
+    """The ShareGPT file under `data_dir` (default: `default_data_dir()`); a BenchmarkError if missing."""
+    path = (Path(data_dir).expanduser() if data_dir else default_data_dir()) / SHAREGPT_FILE
     if not path.is_file():
         raise BenchmarkError(f"ShareGPT prompts not found at {path}; pass --data-dir DIR (the folder holding "
                              f"{SHAREGPT_FILE}) or use --dataset random")
+    return path
+
+
+def sharegpt_requests(tokenizer, num_prompts: int, output_len: int, max_input_len: int,
+                      data_dir: str | Path | None = None) -> list[BenchRequest]:
+    """The first `num_prompts` ShareGPT prompts in file order, each cut to `max_input_len` tokens."""
+    path = sharegpt_path(data_dir)
     with open(path, encoding="utf-8") as f:
         records = json.load(f)
     if num_prompts > len(records):

@@ -22,7 +22,8 @@ import time
 import torch
 
 from turbollm.benchmarks.datasets import random_prompt_ids
-from turbollm.benchmarks.physics import Ceilings, ModelPhysics, bandwidth_figures, compute_figures
+from turbollm.benchmarks.physics import (Ceilings, ModelPhysics, bandwidth_figures, compute_figures,
+                                         decode_ceiling_steps_per_s)
 from turbollm.errors import BenchmarkError
 
 
@@ -115,7 +116,7 @@ def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, 
         "physics": {
             "decode": {**bandwidth_figures(phys, len(steps), decode_time, ceilings, kv),
                        **compute_figures(phys, decode_tokens, decode_tokens, decode_time, ceilings),
-                       "roofline_steps_per_s": round(ceilings.bandwidth_gbs * 1e9 / phys.step_weight_bytes, 1)},
+                       "roofline_steps_per_s": round(decode_ceiling_steps_per_s(phys, ceilings), 1)},
             "prefill": {**compute_figures(phys, prompt_tokens * num_iters, batch_size * num_iters, sum(ttfts), ceilings),
                         **bandwidth_figures(phys, iters[0]["prefill_steps"] * num_iters, sum(ttfts), ceilings)},
         },

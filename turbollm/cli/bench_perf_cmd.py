@@ -77,12 +77,22 @@ def _tokenizer_and_config(resolved):
     return Tokenizer.from_hf_folder(resolved.path), config_from_hf(resolved.path)
 
 
-def _requests(ns, tokenizer):
-    from turbollm.benchmarks.datasets import random_requests, sharegpt_requests
+def _check_workload(ns) -> None:
+    """Fail on bad flags or a missing data file before any model is loaded."""
+    from turbollm.benchmarks.datasets import sharegpt_path
 
     for name in ("num_prompts", "output_len", "input_len", "max_input_len"):
         if getattr(ns, name) < 1:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1")
+    if any(b < 1 for b in ns.hf_batch_size):
+        raise BenchmarkError("--hf-batch-size must be >= 1")
+    if ns.dataset == "sharegpt":
+        sharegpt_path(ns.data_dir)
+
+
+def _requests(ns, tokenizer):
+    from turbollm.benchmarks.datasets import random_requests, sharegpt_requests
+
     if ns.dataset == "sharegpt":
         return sharegpt_requests(tokenizer, ns.num_prompts, ns.output_len, ns.max_input_len, ns.data_dir)
     return random_requests(tokenizer, ns.num_prompts, ns.input_len, ns.output_len, ns.prompt_seed)
@@ -102,8 +112,7 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
     ceilings = ceilings_from(ns)
     args = engine_args_from(ns)
     run_turbo, run_hf = ns.backend in ("turbollm", "both"), ns.backend in ("hf", "both")
-    if any(b < 1 for b in ns.hf_batch_size):
-        raise BenchmarkError("--hf-batch-size must be >= 1")
+    _check_workload(ns)
     llm = hf = None
     if run_turbo:
         llm = LLM(**asdict(args))

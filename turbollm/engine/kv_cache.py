@@ -21,6 +21,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from turbollm.config import ModelConfig
@@ -56,10 +57,22 @@ class KVCacheSpec:
         return cls(int(num_blocks), block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zero-filled storage whose pages the OS commits on first touch.
+
+    numpy's zeros uses calloc, which maps fresh zero pages for large sizes, whereas
+    torch.zeros writes every byte: 4 GiB of KV cache would cost seconds at start-up.
+    Zeros (not garbage) matter: masked slots are multiplied by zero probabilities.
+    """
+    if dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    return torch.zeros(shape, dtype=dtype)
+
+
 def allocate_kv_storage(spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed K and V storage for every layer (pages are committed by the OS on first write)."""
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype)) for _ in range(spec.num_layers)]
+    return [(_lazy_zeros(shape, spec.dtype), _lazy_zeros(shape, spec.dtype)) for _ in range(spec.num_layers)]
 
 
 def hash_block(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
