@@ -106,6 +106,20 @@ def attend_decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.reshape(B, Hq * D).to(q.dtype)
 
 
+def decode_groups(meta: AttentionMetadata) -> list[list[int]]:
+    """Decoding sequences (one new token) grouped by length class, for batched attention.
+
+    A group pads every sequence to its longest, so lengths are grouped by powers of two:
+    padding at most doubles the keys read. Groups of one are left to the per-sequence path.
+    """
+    qsl = meta.query_start_loc
+    classes: dict[int, list[int]] = {}
+    for i in range(meta.num_seqs):
+        if qsl[i + 1] - qsl[i] == 1:
+            classes.setdefault(max(meta.seq_lens[i] - 1, 1).bit_length(), []).append(i)
+    return [g for g in classes.values() if len(g) > 1]
+
+
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Plain PyTorch attention over the paged cache (CPU default).
@@ -114,24 +128,39 @@ class TorchAttentionBackend(AttentionBackend):
     sequences that add several (prefill chunks) one at a time.
     """
 
+    use_kernels = False
+
+    def __init__(self) -> None:
+        self.kernels = None
+        if self.use_kernels:
+            from turbollm.kernels import get_kernels
+
+            self.kernels = get_kernels()
+
     def forward(self, q, k_cache, v_cache, meta, scale, window, softcap):
         qsl = meta.query_start_loc
-        decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
-        if len(decode) == meta.num_seqs and len(decode) > 1:
-            lens = torch.tensor(meta.seq_lens)
-            return attend_decode_batch(q.reshape(meta.num_seqs, *q.shape[1:]), k_cache, v_cache, meta.block_tables,
-                                       lens, scale, window, softcap)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        if len(decode) > 1:
+        done: set[int] = set()
+        decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        if self.kernels is not None and decode and q.dtype == torch.float32:
+            idx = torch.tensor(decode)
             rows = torch.tensor([qsl[i] for i in decode])
             lens = torch.tensor([meta.seq_lens[i] for i in decode])
-            out[rows] = attend_decode_batch(q[rows], k_cache, v_cache, meta.block_tables[rows.new_tensor(decode)],
-                                            lens, scale, window, softcap)
-            decode_set = set(decode)
-        else:
-            decode_set = set()
+            res = self.kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, meta.block_tables[idx],
+                                                      lens, scale, window or -1, softcap or 0.0)
+            if len(decode) == meta.num_seqs:
+                return res.reshape(len(decode), -1)
+            out[rows] = res.reshape(len(decode), -1)
+            done.update(decode)
+        for group in ([] if done else decode_groups(meta)):
+            idx = torch.tensor(group)
+            rows = torch.tensor([qsl[i] for i in group])
+            lens = torch.tensor([meta.seq_lens[i] for i in group])
+            out[rows] = attend_decode_batch(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, scale, window,
+                                            softcap)
+            done.update(group)
         for i in range(meta.num_seqs):
-            if i in decode_set:
+            if i in done:
                 continue
             start, end = qsl[i], qsl[i + 1]
             seq_len = meta.seq_lens[i]
@@ -141,7 +170,17 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
+@register_backend("cpu")
+class CPUKernelAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decode attention in our C++ kernel (reads blocks in place, no gather).
+
+    Falls back to the pure-PyTorch path when the kernel cannot be compiled.
+    """
+
+    use_kernels = True
+
+
+def get_attention_backend(name: str = "cpu") -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
     return ATTENTION_BACKENDS[name]()

@@ -46,15 +46,20 @@ def sharegpt_path(data_dir: str | Path | None = None) -> Path:
     return path
 
 
-def sharegpt_requests(tokenizer, num_prompts: int, output_len: int, max_input_len: int,
-                      data_dir: str | Path | None = None) -> list[BenchRequest]:
-    """The first `num_prompts` ShareGPT prompts in file order, each cut to `max_input_len` tokens."""
+def load_sharegpt_texts(data_dir: str | Path | None, count: int) -> list[str]:
+    """The first `count` ShareGPT prompt texts, in file order."""
     path = sharegpt_path(data_dir)
     with open(path, encoding="utf-8") as f:
         records = json.load(f)
-    if num_prompts > len(records):
-        raise BenchmarkError(f"--num-prompts {num_prompts}: {path.name} holds only {len(records)} prompts")
-    texts = [r["conversations"][0]["value"] for r in records[:num_prompts]]
+    return [r["conversations"][0]["value"] for r in records[:count]]
+
+
+def sharegpt_requests(tokenizer, num_prompts: int, output_len: int, max_input_len: int,
+                      data_dir: str | Path | None = None) -> list[BenchRequest]:
+    """The first `num_prompts` ShareGPT prompts in file order, each cut to `max_input_len` tokens."""
+    texts = load_sharegpt_texts(data_dir, num_prompts)
+    if num_prompts > len(texts):
+        raise BenchmarkError(f"--num-prompts {num_prompts}: {SHAREGPT_FILE} holds only {len(texts)} prompts")
     out = []
     for ids in tokenizer.encode_batch(texts):
         ids = ids[:max_input_len]

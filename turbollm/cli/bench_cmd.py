@@ -7,7 +7,7 @@ import json
 import resource
 import time
 
-from turbollm.cli.bench_perf_cmd import add_perf_benches
+from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
 
 
 def _rss_bytes() -> int:
@@ -26,6 +26,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--json", action="store_true")
     load.set_defaults(func=run_bench_load)
     add_perf_benches(bsub)
+    add_prefix_bench(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

@@ -57,6 +57,48 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     lat.set_defaults(func=run_bench_latency)
 
 
+def add_prefix_bench(bsub: argparse._SubParsersAction) -> None:
+    pc = bsub.add_parser("prefix-cache", help="TTFT of requests sharing a long system prompt, cache on vs off")
+    add_engine_flags(pc)
+    pc.add_argument("--system-len", type=int, default=1000, help="tokens of the shared system prompt")
+    pc.add_argument("--num-requests", type=int, default=5)
+    pc.add_argument("--data-dir", default=None)
+    pc.add_argument("--json", metavar="FILE", default=None)
+    pc.set_defaults(func=run_bench_prefix)
+
+
+def run_bench_prefix(ns: argparse.Namespace) -> int:
+    from turbollm.benchmarks.datasets import load_sharegpt_texts
+    from turbollm.benchmarks.prefix_cache import run_prefix_cache
+    from turbollm.benchmarks.report import engine_setting, print_block, write_json
+    from turbollm.engine.llm_engine import LLMEngine
+
+    args = engine_args_from(ns)
+    engine = LLMEngine(args)
+    tok = engine.tokenizer
+    texts = load_sharegpt_texts(ns.data_dir, 400)
+    system: list[int] = []
+    for t in texts[ns.num_requests:]:  # the questions come from the first records
+        system += tok.encode(t, add_special_tokens=False)
+        if len(system) >= ns.system_len:
+            break
+    system = system[:ns.system_len]
+    if len(system) < ns.system_len:
+        raise BenchmarkError(f"could only build a {len(system)}-token system prompt")
+    questions = [tok.encode(t, add_special_tokens=False)[:64] for t in texts[:ns.num_requests]]
+    setting = {"model": ns.model, **engine_setting(args), "torch_threads": __import__("torch").get_num_threads()}
+    print_block("setting", setting)
+    on = run_prefix_cache(engine, system, questions)
+    print_block("prefix caching on", on)
+    del engine
+    gc.collect()
+    args.enable_prefix_caching = False
+    off = run_prefix_cache(LLMEngine(args), system, questions)
+    print_block("prefix caching off (control)", off)
+    write_json(ns.json, {"setting": setting, "on": on, "off": off})
+    return 0
+
+
 def _kv_itemsize(engine) -> int:
     import torch
 

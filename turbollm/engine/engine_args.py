@@ -32,7 +32,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes; default: a quarter of available RAM, at most 4 GiB
     enable_prefix_caching: bool = True
     seed: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "cpu"  # "cpu": C++ decode kernel when it builds; "torch": pure PyTorch
     threads: int | None = None  # torch threads; default: torch's own (all cores)
     dtype: str = "float32"
 

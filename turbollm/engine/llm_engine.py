@@ -20,6 +20,7 @@ from turbollm.attention import get_attention_backend
 from turbollm.engine.detokenizer import IncrementalDetokenizer
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.kv_cache import BlockPool, KVCacheSpec, allocate_kv_storage
+from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.model_runner import ModelRunner
 from turbollm.engine.sampler import Sampler, SampleResult, token_rank
 from turbollm.engine.scheduler import Scheduler
@@ -47,6 +48,7 @@ class LLMEngine:
         self.args = args
         if args.threads:
             torch.set_num_threads(args.threads)
+        tune_malloc()
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

@@ -19,8 +19,8 @@ from turbollm.engine.sequence import Sequence
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float
-    rank: int
+    logprob: float  # raw-distribution logprob of the token (0.0 when logprobs were not asked for)
+    rank: int  # 1-based rank in the raw distribution (0 when not asked for)
     top: list[tuple[int, float]]  # the top-k (id, logprob) when asked for
 
 
@@ -68,7 +68,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], end_token_ids: list[set[int]]) -> list[SampleResult]:
         """One token for each row of `logits` [B, V] (row i belongs to seqs[i])."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        want = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
+        row_of = {i: r for r, i in enumerate(want)}
         results = []
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -82,11 +84,13 @@ class Sampler:
                 probs = _filter(row, seq).softmax(-1)
                 gen = seq.generator or self.default_generator
                 token = int(torch.multinomial(probs, 1, generator=gen).item())
-            lp = raw_logprobs[i]
+            if p.logprobs is None:  # logprobs are computed only for requests that ask for them
+                results.append(SampleResult(token, 0.0, 0, []))
+                continue
+            lp = raw_logprobs[row_of[i]]
             top: list[tuple[int, float]] = []
             if p.logprobs:
                 vals, idx = torch.topk(lp, min(p.logprobs, lp.numel()))
                 top = list(zip(idx.tolist(), vals.tolist()))
-            rank = token_rank(lp, token) if p.logprobs is not None else 0
-            results.append(SampleResult(token, float(lp[token]), rank, top))
+            results.append(SampleResult(token, float(lp[token]), token_rank(lp, token), top))
         return results

@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in its lists
 class Sequence:
     seq_id: int
     request_id: str
