@@ -141,3 +141,10 @@ def test_preemption_frees_newest_and_requeues_it_first():
     assert [s.seq for s in out.scheduled] == [a] and out.preempted == [b]
     assert b.num_computed_tokens == 0 and b.block_table == [] and sched.waiting[0] is b
     assert sched.num_preemptions == 1
+
+
+def test_engine_stats_counters_shape():
+    from turbollm.engine.kv_cache import CacheStats
+
+    s = CacheStats(queries=10, hits=4)
+    assert s.hit_rate == 0.4 and CacheStats().hit_rate == 0.0

@@ -9,7 +9,6 @@ request at once and returns its KV blocks.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,11 @@ from turbollm.engine.scheduler import Scheduler
 from turbollm.engine.sequence import Sequence
 from turbollm.errors import InvalidRequestError
 from turbollm.loader import LoadedModel, load_model
+from turbollm.log import init_logger
 from turbollm.outputs import CompletionOutput, Logprob, RequestOutput
 from turbollm.sampling_params import SamplingParams
 
-logger = logging.getLogger("turbollm")
+logger = init_logger()
 
 
 @dataclass
@@ -145,6 +145,17 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine counters: requests, KV blocks, prefix cache (tokens), preemptions."""
+        pool, sched = self.pool, self.scheduler
+        return {
+            "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
+            "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_blocks_free": pool.num_free,
+            "kv_cache_usage": pool.usage, "prefix_cache_queries": pool.stats.queries,
+            "prefix_cache_hits": pool.stats.hits, "prefix_cache_evictions": pool.stats.evictions,
+            "num_preemptions": sched.num_preemptions,
+        }
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
