@@ -57,9 +57,15 @@ def _run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subpr
 def _assert_one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    # INFO log lines ("turbollm: KV cache: ...") may come first; the error itself is one line, last
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not _is_info_log(ln)]
     assert len(lines) == 1 and lines[0].startswith("turbollm: error: "), proc.stderr
     return lines[0]
+
+
+def _is_info_log(line: str) -> bool:
+    return line.startswith("turbollm: ") and not line.startswith("turbollm: error:") and \
+        line.startswith(("turbollm: KV cache:", "turbollm: C++ kernels"))
 
 
 # ------------------------------------------------------------------------ tiny GGUF files
