@@ -73,6 +73,15 @@ def test_prompt_logprobs_vllm_format(llm):
         assert entry[tok].decoded_token == llm.get_tokenizer().decode([tok])
 
 
+def test_prompt_logprobs_complete_when_the_prompt_is_cached(llm):
+    p = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    prompt = "A prompt long enough to fill more than one block of the KV cache, twice over, " * 2
+    first = llm.generate([prompt], p, use_tqdm=False)[0].prompt_logprobs
+    second = llm.generate([prompt], p, use_tqdm=False)[0].prompt_logprobs  # its blocks are cached now
+    assert len(second) == len(first) and second[0] is None and all(e is not None for e in second[1:])
+    assert [sorted(e) for e in second[1:]] == [sorted(e) for e in first[1:]]
+
+
 def test_prompt_logprobs_match_a_direct_forward(llm):
     from turbollm.eval.parity import score
 

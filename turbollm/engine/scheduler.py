@@ -102,6 +102,8 @@ class Scheduler:
         """Point a fresh sequence at the cached blocks of its longest cached prefix."""
         if not self.pool.enable_caching or seq.num_computed_tokens or seq.block_table:
             return
+        if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
+            return
         max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
         self.pool.stats.queries += seq.num_tokens
         for h in self._hashes(seq, max_blocks):
