@@ -240,6 +240,8 @@ class LLMEngine:
             top_vals, top_idx = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         for row in range(logprobs.shape[0]):
             pos = first_pos + row
+            if pos < len(seq.prompt_logprobs):  # recomputed after a preemption: already recorded
+                continue
             token = seq.prompt_token_ids[pos]
             entry = {token: Logprob(float(logprobs[row, token]), token_rank(logprobs[row], token), self._piece(token))}
             if k:
