@@ -8,6 +8,7 @@ import resource
 import time
 
 from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
+from turbollm.cli.bench_serve_cmd import add_serve_bench
 
 
 def _rss_bytes() -> int:
@@ -27,6 +28,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     load.set_defaults(func=run_bench_load)
     add_perf_benches(bsub)
     add_prefix_bench(bsub)
+    add_serve_bench(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

@@ -10,9 +10,10 @@ from turbollm.cli.chat_cmd import add_chat
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
+from turbollm.cli.serve_cmd import add_serve
 from turbollm.errors import TurboLLMError
 
-COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench]
+COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,113 @@
+"""OpenAI error bodies: `{"error": {"message", "type", "param", "code"}}`, and the handlers that make them.
+
+A client's mistake is always a 4xx with a message naming the field (`param`) where there is
+one: pydantic validation errors and InvalidRequestError are 400, an unknown model 404, a body
+over the limit 413, a full queue 503 with Retry-After. Anything else is a 500 whose body says
+it was the server's fault.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from turbollm.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI body fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; union-member tags are dropped."""
+    parts = [p for p in loc if p != "body"]
+    if not parts or not isinstance(parts[0], str):
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p.isidentifier() and p not in ("str", "int", "float", "bool", "list", "dict") and "[" not in p:
+            out += f".{p}"
+    return out
+
+
+def _validation_message(e: dict) -> str:
+    param = _loc_to_param(tuple(e.get("loc", ())))
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', msg)}"
+    if e.get("type") == "missing":
+        return f"'{param}' is a required field"
+    if param is None:
+        return f"invalid request body: {msg}"
+    value = e.get("input")
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"invalid value for '{param}': {msg} (got {shown})"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        # A union (prompt, stop, content) fails once per member: report the first error only.
+        first = errors[0] if errors else {"msg": "invalid request"}
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        return error_response(APIError(400, _validation_message(first), param, "invalid_value"))
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        msg = str(exc)
+        param = None
+        if msg.startswith("SamplingParams."):  # "SamplingParams.top_p: must be ..."
+            param = msg.split(":", 1)[0].split(".", 1)[1]
+        return error_response(APIError(400, msg, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = exc.detail if isinstance(exc.detail, str) and exc.detail else f"HTTP {exc.status_code}"
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        return error_response(APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
