@@ -1,5 +1,5 @@
 # turbollm — two commands on a fresh machine:
-#   make run    create .venv, install turbollm, pull the default model, generate with it
+#   make run    create .venv, install turbollm, pull the default model, generate, then serve it
 #   make test   install the test extras and run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,8 +8,9 @@ PIP     = $(PY) -m pip install --disable-pip-version-check -q
 MODEL  ?= smollm2-135m
 PROMPT ?= The three most useful things to know about the Python programming language are
 MAX_TOKENS ?= 64
+PORT   ?= 8000
 
-.PHONY: run test install install-test clean models
+.PHONY: run generate test install install-test clean models
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +27,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-run: install
+# pull the model, generate once, then serve it (OpenAI API on 127.0.0.1:$(PORT); Ctrl-C stops)
+run: generate
+	@echo ""
+	@echo "Serving $(MODEL) on http://127.0.0.1:$(PORT) (Ctrl-C stops). In another terminal:"
+	@echo "  curl http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'"
+	@echo "  $(PY) -c \"from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:$(PORT)/v1', api_key='none'); \\"
+	@echo "      print(c.chat.completions.create(model='$(MODEL)', messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32).choices[0].message.content)\""
+	@echo "  (the openai package comes with 'make test' or: $(PY) -m pip install openai)"
+	@echo ""
+	$(VENV)/bin/turbollm serve $(MODEL) --host 127.0.0.1 --port $(PORT)
+
+generate: install
 	$(VENV)/bin/turbollm pull $(MODEL)
 	$(VENV)/bin/turbollm generate --model $(MODEL) --temperature 0 --max-tokens $(MAX_TOKENS) --prompt "$(PROMPT)"
 

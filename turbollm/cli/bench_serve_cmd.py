@@ -97,7 +97,7 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     if ns.plot:
         numeric = [dict(s, request_rate=float(s["request_rate"])) for s in summaries if s["request_rate"] != "trace"]
         if not plot_rates(numeric, ns.plot):
-            print("no plot: matplotlib is not installed (pip install matplotlib)")
+            print("no plot: matplotlib is not installed (pip install 'turbollm[bench]')")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 

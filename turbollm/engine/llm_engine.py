@@ -40,7 +40,8 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    arrival_time: float
+    arrival_time: float  # time.monotonic()
+    first_scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
 
 
 class LLMEngine:
@@ -165,6 +166,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = self.requests.get(s.seq.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         out = self.runner.execute(sched)
         for i, (first_pos, logits) in out.prompt_logits.items():
             self._record_prompt_logprobs(sched.scheduled[i].seq, first_pos, logits)
@@ -261,4 +267,5 @@ class LLMEngine:
         prompt_lp = req.seqs[0].prompt_logprobs if req.params.prompt_logprobs is not None else None
         if finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp)
+        metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, metrics)

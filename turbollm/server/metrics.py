@@ -5,10 +5,9 @@ Gauges and the engine's own counters (prefix cache, preemptions) are read from
 thread, so a read from the event loop sees a value at most one step old. Token counts,
 finished requests and the latency histograms are recorded by the server per request.
 
-Queue time: the engine does not (yet) report when a request is first scheduled. When
-`RequestOutput.metrics["first_scheduled_time"]` (a monotonic time) is there it is used;
-otherwise `request_queue_time_seconds` is arrival to first output, an upper bound that
-includes the prefill.
+Queue time: HTTP arrival to `RequestOutput.metrics["first_scheduled_time"]`, the engine's
+time.monotonic() of the first step that ran the request (without it — an engine that does
+not report it — arrival to first output, an upper bound that includes the prefill).
 """
 
 from __future__ import annotations
