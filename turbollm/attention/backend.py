@@ -122,7 +122,7 @@ def decode_groups(meta: AttentionMetadata) -> list[list[int]]:
 
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
-    """Plain PyTorch attention over the paged cache (CPU default).
+    """Plain PyTorch attention over the paged cache (the reference of the `cpu` backend).
 
     Sequences that add one token (decodes) are attended together in one batched product;
     sequences that add several (prefill chunks) one at a time.
