@@ -199,9 +199,17 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
 
 def run_serve_bench(base_url: str, model: str, requests: list[ServeRequest], rates: list[float],
                     max_concurrency: int | None = None, chat: bool = False, api_key: str | None = None,
-                    slo: dict[str, float | None] | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """One summary per rate (a trace replays its own arrivals: pass one rate)."""
+                    slo: dict[str, float | None] | None = None, seed: int = 0,
+                    warmup: bool = True) -> list[dict[str, Any]]:
+    """One summary per rate (a trace replays its own arrivals: pass one rate).
+
+    With `warmup`, one short untimed request goes first, so the first rate does not pay the
+    server's first-request costs.
+    """
     out = []
+    if warmup and requests:
+        first = ServeRequest(requests[0].prompt, min(4, requests[0].max_tokens))
+        asyncio.run(_run(base_url, model, [first], math.inf, None, chat, api_key, seed))
     for rate in rates:
         results, duration = asyncio.run(_run(base_url, model, requests, rate, max_concurrency, chat, api_key, seed))
         out.append({"request_rate": rate, "max_concurrency": max_concurrency,

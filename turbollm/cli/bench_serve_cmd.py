@@ -32,6 +32,7 @@ def add_serve_bench(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2e-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", action="store_true", help="skip the short untimed request sent before the runs")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of latency and throughput across rates (needs matplotlib)")
     p.set_defaults(func=run_bench_serve)
@@ -78,11 +79,11 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     slo = {"ttft_ms": ns.slo_ttft_ms, "tpot_ms": ns.slo_tpot_ms, "e2e_ms": ns.slo_e2e_ms}
     rates = [math.inf] if ns.dataset == "azure" else ns.request_rate
     setting = {"base_url": ns.base_url, "model": model, "endpoint": ns.endpoint, "dataset": ns.dataset,
-               "num_prompts": len(reqs), "max_concurrency": ns.max_concurrency,
+               "num_prompts": len(reqs), "max_concurrency": ns.max_concurrency, "warmup": not ns.no_warmup,
                "request_rates": ["trace" if ns.dataset == "azure" else str(r) for r in rates]}
     print("setting: " + json.dumps(setting))
     summaries = run_serve_bench(ns.base_url, model, reqs, rates, ns.max_concurrency, ns.endpoint == "chat",
-                                ns.api_key, slo, ns.seed)
+                                ns.api_key, slo, ns.seed, warmup=not ns.no_warmup)
     for s in summaries:
         s["request_rate"] = "trace" if ns.dataset == "azure" else str(s["request_rate"])
         print(f"rate {s['request_rate']:>6}: {s['completed']} ok, {s['failed']} failed, "
