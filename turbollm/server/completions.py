@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from turbollm.entrypoints.streaming import DeltaTracker
 from turbollm.outputs import PositionLogprobs
-from turbollm.server.errors import APIError, bad_request
+from turbollm.server.errors import bad_request, stream_error_body
 from turbollm.server.protocol import CompletionRequest
 from turbollm.server.serving import (ServingContext, Slot, gather_all, merge_streams, run_until_disconnect,
                                      sse, usage)
@@ -103,11 +103,8 @@ async def _stream(ctx: ServingContext, slot: Slot, prompts: list[list[int]], par
                 n_out += sum(len(c.token_ids) for c in out.outputs)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(sum(map(len, prompts)), n_out)})
-    except APIError as e:
-        yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
     except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-        yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
-                             "code": None}})
+        yield sse(stream_error_body(e))
     finally:
         await merged.aclose()
         for s in streams:

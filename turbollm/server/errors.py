@@ -40,6 +40,13 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def stream_error_body(e: Exception) -> dict[str, Any]:
+    """The error event of an SSE stream whose 200 status line has already been sent."""
+    if isinstance(e, APIError):
+        return error_body(e.message, e.type, e.param, e.code)
+    return error_body(f"{type(e).__name__}: {e}", "server_error")
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status,
                         headers=err.headers)
