@@ -120,6 +120,13 @@ def decode_groups(meta: AttentionMetadata) -> list[list[int]]:
     return [g for g in classes.values() if len(g) > 1]
 
 
+def _decode_index(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For decoding sequences `seqs`: their indices, their query rows in the batch, their lengths."""
+    qsl = meta.query_start_loc
+    return (torch.tensor(seqs), torch.tensor([qsl[i] for i in seqs]),
+            torch.tensor([meta.seq_lens[i] for i in seqs]))
+
+
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Plain PyTorch attention over the paged cache (the reference of the `cpu` backend).
@@ -143,9 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
         done: set[int] = set()
         decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
         if self.kernels is not None and decode and q.dtype == torch.float32:
-            idx = torch.tensor(decode)
-            rows = torch.tensor([qsl[i] for i in decode])
-            lens = torch.tensor([meta.seq_lens[i] for i in decode])
+            idx, rows, lens = _decode_index(meta, decode)
             res = self.kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, meta.block_tables[idx],
                                                       lens, scale, window or -1, softcap or 0.0)
             if len(decode) == meta.num_seqs:
@@ -153,9 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = res.reshape(len(decode), -1)
             done.update(decode)
         for group in ([] if done else decode_groups(meta)):
-            idx = torch.tensor(group)
-            rows = torch.tensor([qsl[i] for i in group])
-            lens = torch.tensor([meta.seq_lens[i] for i in group])
+            idx, rows, lens = _decode_index(meta, group)
             out[rows] = attend_decode_batch(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, scale, window,
                                             softcap)
             done.update(group)

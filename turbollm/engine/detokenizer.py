@@ -20,7 +20,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
@@ -32,6 +31,5 @@ class IncrementalDetokenizer:
             new = full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += new
             return new
         return ""

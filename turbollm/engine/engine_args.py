@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 from turbollm.errors import InvalidRequestError
@@ -58,8 +57,3 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **kwargs)
-
-
-def env_threads() -> int | None:
-    v = os.environ.get("TURBOLLM_THREADS")
-    return int(v) if v else None
