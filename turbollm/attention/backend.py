@@ -148,9 +148,9 @@ class TorchAttentionBackend(AttentionBackend):
         qsl = meta.query_start_loc
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         done: set[int] = set()
-        decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        decode = meta.derived("decode_seqs", lambda: [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1])
         if self.kernels is not None and decode and q.dtype == torch.float32:
-            idx, rows, lens = _decode_index(meta, decode)
+            idx, rows, lens = meta.derived(("decode_index", tuple(decode)), lambda: _decode_index(meta, decode))
             res = self.kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, meta.block_tables[idx],
                                                       lens, scale, window or -1, softcap or 0.0)
             if len(decode) == meta.num_seqs:

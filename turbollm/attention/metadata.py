@@ -9,7 +9,8 @@ tokens in the cache, the last `query_len(i)` of them new. Its cache blocks are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -21,6 +22,15 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]: cached + new tokens per sequence
     block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     block_size: int
+    # Values derived from the fields above that every layer needs (decode index tensors...),
+    # computed once per step by the first layer that asks: see `derived`.
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """`compute()` on first call for `key` in this step, the same object afterwards."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @property
     def num_seqs(self) -> int:

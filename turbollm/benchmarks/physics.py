@@ -8,8 +8,8 @@ multiplied by.
 What we count:
 - *weight bytes read per step*: every resident parameter byte (shared tensors once), except
   an untied input-embedding table, of which a step reads only the rows of its tokens. With
-  tied embeddings the table is the LM head and is read in full. Weights are fp32 resident
-  today (`LoadedModel.weight_bytes`), not the GGUF file's quantized size.
+  tied embeddings the table is the LM head and is read in full. Resident bytes are
+  `LoadedModel.weight_bytes`: the GGUF blocks themselves by default, float32 with "none".
 - *matmul parameters*: the decoder's linear layers (q/k/v/o projections, gate/up/down) per
   processed token, plus the LM head (vocab × hidden) per sampled row: the engine projects
   only the rows it samples (the last prompt token of a prefill, every decode token).
@@ -60,6 +60,7 @@ class ModelPhysics:
     lm_head_params: int  # vocab × hidden: multiplied by every sampled row
     kv_layer_bytes: tuple[int, ...] = ()  # per layer: K+V bytes of one cached token
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window or None
+    weights_storage: str = "float32"  # how the weights are held (LoadedModel.weights_storage)
 
     def flops(self, processed_tokens: int, sampled_rows: int) -> float:
         """Matmul FLOPs of `processed_tokens` through the decoder and `sampled_rows` through the LM head."""
@@ -133,7 +134,7 @@ def physics_of_turbollm(loaded, kv_itemsize: int = 4) -> ModelPhysics:
         if isinstance(m, LinearBase):
             linear += m.in_features * m.out_features
         elif isinstance(m, LMHead):
-            lm_head += m.weight.numel()
+            lm_head += m.vocab_size * m.dim  # logical size: the table may be raw GGML blocks
             head_ptrs.add(m.weight.data_ptr())
         elif isinstance(m, VocabEmbedding):
             embed_tables.append(m.weight)
@@ -141,7 +142,8 @@ def physics_of_turbollm(loaded, kv_itemsize: int = 4) -> ModelPhysics:
     untied = _unique_bytes(w for w in embed_tables if w.data_ptr() not in head_ptrs)
     per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
-    return ModelPhysics(weight_bytes, weight_bytes - untied, linear, lm_head, (per_layer,) * cfg.num_layers, windows)
+    return ModelPhysics(weight_bytes, weight_bytes - untied, linear, lm_head, (per_layer,) * cfg.num_layers, windows,
+                        loaded.weights_storage)
 
 
 def physics_of_hf(model, kv_itemsize: int = 4) -> ModelPhysics:

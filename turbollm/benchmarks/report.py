@@ -48,13 +48,13 @@ def _st_dtype(name: str) -> torch.dtype:
 
 
 def model_setting(resolved, config, phys: ModelPhysics) -> dict[str, Any]:
-    """Model, checkpoint types, resident weights and what a step reads (fp32 weights today)."""
+    """Model, checkpoint types, how the weights are held, resident weights and what a step reads."""
     return {
         "model": resolved.name, "path": str(resolved.path), "format": resolved.format.value, "arch": config.arch,
         "layers": config.num_layers, "hidden": config.hidden_size, "heads_q_kv": f"{config.num_heads}:{config.num_kv_heads}",
         "vocab": config.vocab_size, "tied_embeddings": config.tie_word_embeddings,
         "checkpoint_types": checkpoint_types(resolved),
-        "weights_dtype": "float32 (dequantized at load)",
+        "weights_dtype": phys.weights_storage,
         "weights_resident_MB": round(phys.weight_bytes / 1e6, 1),
         "weights_read_per_step_MB": round(phys.step_weight_bytes / 1e6, 1),
         "linear_params_M": round(phys.linear_params / 1e6, 2),

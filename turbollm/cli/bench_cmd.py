@@ -48,7 +48,7 @@ def run_bench_load(ns: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(), "load_seconds": round(seconds, 2),
         "file_tensor_MB": round(loaded.file_tensor_bytes / 1e6, 1),
         "weights_resident_MB": round(loaded.weight_bytes / 1e6, 1),
-        "weights_dtype": "float32",
+        "weights_dtype": loaded.weights_storage,
         "rss_after_load_MB": round(rss1 / 1e6, 1), "rss_delta_MB": round((rss1 - rss0) / 1e6, 1),
         "peak_rss_MB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
     }

@@ -37,6 +37,9 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
                     help="transformers static batch size(s); with several, each is run and the best is compared")
     tp.add_argument("--no-warmup", action="store_true", help="skip the tiny untimed warm-up request per backend")
+    tp.add_argument("--batch-sweep", type=int, nargs="+", metavar="B", default=None,
+                    help="instead of the dataset run: decode B random requests (--input-len, --output-len) together "
+                         "for each B and show how decode tokens/s grows with the batch")
     tp.add_argument("--progress", action="store_true", help="show turbollm's progress bar")
     tp.add_argument("--json", metavar="FILE", default=None, help="write setting and results to FILE")
     add_ceiling_flags(tp)
@@ -51,7 +54,8 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     lat.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     lat.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     lat.add_argument("--compare", choices=["llama.cpp"], default=None,
-                     help="also measure llama.cpp on the same model (not available yet)")
+                     help="also measure llama.cpp (llama-cpp-python) on the same GGUF file, same prompts and "
+                          "threads, in the same run; batch size 1")
     lat.add_argument("--json", metavar="FILE", default=None, help="write setting and results to FILE")
     add_ceiling_flags(lat)
     lat.set_defaults(func=run_bench_latency)
@@ -153,6 +157,8 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
 
     ceilings = ceilings_from(ns)
     args = engine_args_from(ns)
+    if ns.batch_sweep:
+        return _batch_sweep(ns, args, ceilings)
     run_turbo, run_hf = ns.backend in ("turbollm", "both"), ns.backend in ("hf", "both")
     _check_workload(ns)
     llm = hf = None
@@ -219,6 +225,33 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
     return record
 
 
+def _batch_sweep(ns: argparse.Namespace, args, ceilings) -> dict:
+    from turbollm.benchmarks.batch_sweep import format_sweep, run_batch_sweep
+    from turbollm.benchmarks.physics import physics_of_turbollm
+    from turbollm.benchmarks.report import engine_setting, machine_setting, model_setting, print_block, write_json
+    from turbollm.engine.llm_engine import LLMEngine
+
+    if ns.backend != "turbollm":
+        raise BenchmarkError("--batch-sweep measures turbollm only (drop --backend)")
+    if any(b < 1 for b in ns.batch_sweep) or max(ns.batch_sweep) > ns.max_num_seqs:
+        raise BenchmarkError(f"--batch-sweep sizes must be between 1 and --max-num-seqs ({ns.max_num_seqs})")
+    engine = LLMEngine(args)
+    phys = physics_of_turbollm(engine.loaded, _kv_itemsize(engine))
+    setting = {"benchmark": "throughput batch sweep", "model": model_setting(engine.loaded.resolved, engine.config, phys),
+               "machine": machine_setting(ceilings), "engine_args": engine_setting(args),
+               "workload": {"batch_sizes": ns.batch_sweep, "input_len": ns.input_len, "output_len": ns.output_len,
+                            "prompts": "random token ids, a fresh draw per request", "sampling": "greedy, ignore_eos",
+                            "warmup": "none" if ns.no_warmup else "one untimed iteration per batch size"},
+               "physics_notes": PHYSICS_NOTES}
+    print_block("setting", setting)
+    sweep = run_batch_sweep(engine, phys, ceilings, ns.batch_sweep, ns.input_len, ns.output_len,
+                            warmup=0 if ns.no_warmup else 1, seed=ns.prompt_seed)
+    print(format_sweep(sweep))
+    record = {"benchmark": "throughput-batch-sweep", "setting": setting, "results": sweep}
+    write_json(ns.json, record)
+    return record
+
+
 def bench_latency(ns: argparse.Namespace) -> dict:
     """Run the latency benchmark the flags describe; print and return the record (setting + results)."""
     from turbollm.benchmarks.latency import run_latency
@@ -226,8 +259,9 @@ def bench_latency(ns: argparse.Namespace) -> dict:
     from turbollm.benchmarks.report import engine_setting, machine_setting, model_setting, print_block, write_json
     from turbollm.engine.llm_engine import LLMEngine
 
-    if ns.compare:
-        raise BenchmarkError(f"--compare {ns.compare} is not available yet (a later issue adds the llama.cpp anchor)")
+    if ns.compare and ns.batch_size != 1:
+        raise BenchmarkError("--compare llama.cpp measures batch size 1 (llama.cpp's single-sequence path); "
+                             "drop --batch-size")
     for name in ("input_len", "output_len", "batch_size", "num_iters"):
         if getattr(ns, name) < 1:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1")
@@ -251,8 +285,49 @@ def bench_latency(ns: argparse.Namespace) -> dict:
                           ns.warmup, ns.prompt_seed)
     print_block("latency", results)
     record = {"benchmark": "latency", "setting": setting, "results": results}
+    if ns.compare:
+        record["llama.cpp"] = _compare_llamacpp(ns, engine, phys, ceilings, results)
     write_json(ns.json, record)
     return record
+
+
+def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict) -> dict:
+    """The same latency workload through llama.cpp on the same GGUF file; print and return it with the ratios."""
+    import torch
+
+    from turbollm.benchmarks import llamacpp_backend as lc
+    from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.physics import compute_figures
+    from turbollm.benchmarks.report import print_block
+    from turbollm.hub.resolve import CheckpointFormat
+
+    resolved = engine.loaded.resolved
+    if resolved.format is not CheckpointFormat.GGUF:
+        raise BenchmarkError("--compare llama.cpp needs a GGUF model (llama.cpp reads only GGUF files)")
+    gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
+    prompts = [random_prompt_ids(engine.tokenizer, ns.input_len, gen) for _ in range(ns.warmup + ns.num_iters)]
+    threads = torch.get_num_threads()
+    llm = lc.load_llamacpp(resolved.path, ns.input_len + ns.output_len + 8, threads, ns.input_len)
+    res = lc.run_llamacpp_latency(llm, prompts, ns.output_len, warmup=ns.warmup)
+    del llm
+    file_bytes = engine.loaded.file_tensor_bytes
+    steps_s = res["decode_steps"] * res["decode_ms_per_step_mean"] / 1000
+    ttft_s = res["ttft_ms_mean"] / 1000 * res["iterations"]
+    res.pop("greedy_tokens")
+    res.update(version=lc.llamacpp_version(), threads=threads, resident_weight_MB=round(file_bytes / 1e6, 1),
+               physics={"decode": {"weights_GBps": round(file_bytes * res["decode_steps"] / steps_s / 1e9, 2),
+                                   "pct_of_bandwidth": round(100 * file_bytes * res["decode_steps"] / steps_s / 1e9
+                                                             / ceilings.bandwidth_gbs, 1)},
+                        "prefill": compute_figures(phys, ns.input_len * res["iterations"], res["iterations"],
+                                                   ttft_s, ceilings)})
+    print_block("llama.cpp (same GGUF, prompts and threads)", res)
+    ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
+              "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3),
+              "turbollm_resident_weight_MB": round(engine.loaded.weight_bytes / 1e6, 1),
+              "llamacpp_resident_weight_MB": res["resident_weight_MB"],
+              "turbollm_weights_over_file_bytes": round(engine.loaded.weight_bytes / file_bytes, 3)}
+    print_block("turbollm / llama.cpp", ratios)
+    return {"results": res, "ratios": ratios}
 
 
 def run_bench_throughput(ns: argparse.Namespace) -> int:

@@ -7,10 +7,26 @@ import argparse
 from turbollm.engine.engine_args import EngineArgs
 
 
+class QuantizationFlag(argparse._StoreAction):
+    """`--quantization`: its help lists the registered linear methods, looked up only when help is
+    printed (building the parser must not import torch)."""
+
+    @property
+    def help(self) -> str:
+        from turbollm.quantization import LINEAR_METHODS
+
+        return (f"weight storage and matmul method, one of: {', '.join(sorted(LINEAR_METHODS))} (default: 'gguf' "
+                f"for a GGUF file, whose weights stay in their own block types; 'none', float32, otherwise)")
+
+    @help.setter
+    def help(self, value) -> None:  # argparse assigns the help given to add_argument; ours is computed
+        pass
+
+
 def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     p.add_argument("--model", "-m", default=None if model_required else "smollm2-135m", required=model_required,
                    help="catalog name, GGUF file, HF folder or hub id (default: smollm2-135m)")
-    p.add_argument("--quantization", default=None, help="weight quantization method (default: the checkpoint's own)")
+    p.add_argument("--quantization", default=None, action=QuantizationFlag)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

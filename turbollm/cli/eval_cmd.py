@@ -1,10 +1,12 @@
-"""`turbollm eval parity`: compare a model's logits and greedy output with transformers."""
+"""`turbollm eval parity` (logits and greedy output against transformers) and `eval ppl` (eval_ppl_cmd.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from turbollm.cli.eval_ppl_cmd import add_ppl
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -13,8 +15,12 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     par = esub.add_parser("parity", help="logits and greedy parity with Hugging Face transformers")
     par.add_argument("--model", "-m", action="append", required=True, help="model(s) to check")
     par.add_argument("--gen-tokens", type=int, default=32)
+    par.add_argument("--quantization", default="none",
+                     help="how turbollm holds the weights (default none: the GGUF dequantized to fp32, the very "
+                          "weights transformers holds; gguf checks the native-block fast path against it)")
     par.add_argument("--json", default=None, help="write the reports to this JSON file")
     par.set_defaults(func=run_parity_cmd)
+    add_ppl(esub)
 
 
 def run_parity_cmd(ns: argparse.Namespace) -> int:
@@ -24,7 +30,7 @@ def run_parity_cmd(ns: argparse.Namespace) -> int:
 
     reports = []
     for name in ns.model:
-        loaded = load_model(name)
+        loaded = load_model(name, quantization=ns.quantization)
         rep = run_parity(loaded, PARITY_PROMPTS, ns.gen_tokens)
         reports.append(rep.as_dict())
         print(f"== {name}: {'PASS' if rep.ok else 'FAIL'} ({rep.seconds:.0f} s; margin {MARGIN}, top-5 tol {TOP5_TOL})")

@@ -10,10 +10,11 @@ from turbollm.cli.chat_cmd import add_chat
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
+from turbollm.cli.quantize_cmd import add_quantize
 from turbollm.cli.serve_cmd import add_serve
 from turbollm.errors import TurboLLMError
 
-COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve]
+COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve, add_quantize]
 
 
 def build_parser() -> argparse.ArgumentParser:

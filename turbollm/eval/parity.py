@@ -57,9 +57,10 @@ class ParityReport:
                 "prompts": [dict(asdict(p), ok=p.ok) for p in self.prompts]}
 
 
-@torch.inference_mode()
-def score(loaded: LoadedModel, prompts: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
-    """Logits [L, vocab] at every position of each prompt, all prompts in one flat batch."""
+def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]],
+                       block_size: int = 16) -> tuple[ForwardBatch, list[int]]:
+    """One flat prefill batch of `prompts` over a fresh KV cache sized for them, and the
+    query start offsets (`qsl[i]:qsl[i+1]` are prompt i's rows). No scheduler, no sampler."""
     cfg = loaded.config
     blocks_per = [-(-len(p) // block_size) for p in prompts]
     total_blocks = sum(blocks_per)
@@ -75,7 +76,13 @@ def score(loaded: LoadedModel, prompts: list[list[int]], block_size: int = 16) -
     meta = AttentionMetadata(torch.tensor(slots), qsl, [len(p) for p in prompts], torch.tensor(tables), block_size)
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.tensor([i for p in prompts for i in range(len(p))])
-    batch = ForwardBatch(ids, pos, meta, caches, get_attention_backend())
+    return ForwardBatch(ids, pos, meta, caches, get_attention_backend()), qsl
+
+
+@torch.inference_mode()
+def score(loaded: LoadedModel, prompts: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+    """Logits [L, vocab] at every position of each prompt, all prompts in one flat batch."""
+    batch, qsl = flat_prefill_batch(loaded, prompts, block_size)
     logits = loaded.model.compute_logits(loaded.model(batch))
     return [logits[qsl[i]:qsl[i + 1]] for i in range(len(prompts))]
 

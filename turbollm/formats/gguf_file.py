@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,17 @@ class GGUFTensor:
 
 @dataclass
 class GGUFFile:
-    """A parsed GGUF file: path, version, metadata and tensors by name (in file order)."""
+    """A parsed GGUF file: path, version, metadata and tensors by name (in file order).
+
+    `value_types` keeps, per metadata key, the GGUF value type id it was stored with and,
+    for arrays, the item type id (else None), so the metadata can be written back unchanged.
+    """
 
     path: Path
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensor]
+    value_types: dict[str, tuple[int, int | None]] = field(default_factory=dict)
 
     @property
     def arch(self) -> str:
@@ -152,9 +157,15 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise ModelFormatError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
         metadata: dict[str, Any] = {}
+        value_types: dict[str, tuple[int, int | None]] = {}
         for _ in range(n_kv):
             key = cur.string()
-            metadata[key] = cur.value(cur.scalar(4))
+            vtype = cur.scalar(4)
+            item_type = None
+            if vtype == _ARRAY and cur.pos + 4 <= len(cur.buf):  # peek at the item type
+                item_type = struct.unpack_from("<I", cur.buf, cur.pos)[0]
+            value_types[key] = (vtype, item_type)
+            metadata[key] = cur.value(vtype)
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -192,7 +203,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         except ValueError as e:
             raise ModelFormatError(f"{path}: tensor {name!r} has an invalid shape {shape}: {e}") from None
         tensors[name] = GGUFTensor(name, qtype, shape, data)
-    return GGUFFile(path, version, metadata, tensors)
+    return GGUFFile(path, version, metadata, tensors, value_types)
 
 
 def _plain_dtypes() -> dict:

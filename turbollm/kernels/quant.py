@@ -2,50 +2,219 @@
 
 The one interface the quantized linear methods call. Each function has a plain PyTorch
 reference (decode the weight with the bit-exact ``formats.ggml_types`` decoders, then an fp32
-``F.linear``); the C++ kernels (``csrc/quant_*.cpp``) replace it where they exist, and tests
-hold the two together.
+``F.linear``); the C++ kernels (``csrc/quant_*.cpp``, loaded by ``get_quant_kernels``) replace it
+where they exist for the type, and tests (tests/test_quant_kernels.py) hold the two together.
 
 Conventions
 - A GGML-typed weight is ``w``: a uint8 tensor ``[N, row_bytes]`` holding the raw GGUF
   blocks of N rows (output features) of K columns (input features) each, row after row.
   ``qtype`` is the GGML type id (``gguf.GGMLQuantizationType`` value).
-- ``x`` is float32 ``[M, K]`` (M tokens); results are float32 ``[M, N]``.
+- ``x`` is float32 ``[M, K]`` (M tokens; leading dims are flattened); results are float32 ``[M, N]``.
 - int8 weight-only: ``w`` int8 ``[N, K]``, ``scale`` float32 ``[N]``; W = w * scale[:, None].
 - int4 group-wise: ``packed`` uint8 ``[N, K // 2]`` (low nibble = even column), ``scales`` and
   ``zeros`` float32 ``[N, K // group]``; W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
+
+Three kernel paths compute a product:
+- ``q8``: x is quantized to int8 with an fp32 scale per block of 32 values (legacy types, int8,
+  int4) or 256 (k-quants, as ggml's Q8_K; ``activation_block``), ``quantize_activations_ref``
+  being the bit-exact reference, and multiplied with the weight blocks in integer arithmetic,
+  reading each weight byte once per call. Fast for few tokens (decode); not exact: its
+  reference is ``F.linear(dequantized x, W)`` (``q8_linear_ref``).
+- ``q8x2``: as q8 with a second int8 level, the residual x - d q quantized again (x ~ d1 q1 +
+  d2 q2, ~15 bits: the activation error shrinks ~100x); both levels go through the kernels as
+  two "tokens" of one call, so the weights are still read once (costs ~1.5x q8's arithmetic).
+- ``dequant``: rows of W are decoded to fp32 in chunks and multiplied with torch's sgemm: exact
+  fp32 math, the faster path for many tokens (prefill).
+The default, ``auto``, takes q8x2 up to ``Q8X2_MAX_TOKENS`` tokens and dequant above; ``fast``
+takes q8 up to ``Q8_MAX_TOKENS`` and dequant above (llama.cpp's accuracy, faster decode).
+Measured mean KL of the logits against the fp32 model on 3 parity prompts (~550 positions):
+q8 3.9e-3 (smollm2-135m Q4_1) and 9.1e-3 (gemma3-270m Q4_K_M); q8x2 4.9e-8 and 1.1e-7;
+dequant 0. ``path=`` (or ``set_default_path``, or the environment variable
+``TURBOLLM_QMATMUL=auto|fast|q8|q8x2|dequant`` read at import) picks the path; q8, q8x2 and
+dequant force it for every M, so the accuracy of each can be measured on its own.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 from turbollm.formats.ggml_types import dequantize, dequantize_rows
+from turbollm.kernels import get_quant_kernels
+
+#: Type ids of the two non-GGML formats in the C++ kernel table.
+INT8_PER_CHANNEL = 1000
+INT4_GROUPWISE = 1001
+
+#: "auto": the q8x2 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
+#: K=1536 N=8960, best of repetitions, scripts/bench_qmatmul.py --q8x2): q8x2 runs at a flat
+#: ~30-45 GOP/s whatever M, dequant + sgemm climbs from ~13 GOP/s at M=2 to ~21 at M=4, ~33 at
+#: M=8 and ~42 at M=12, where they cross (k-quants tie at 12, legacy types already at 8).
+Q8X2_MAX_TOKENS = 8
+
+#: "fast": the q8 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
+#: K=1536 N=1024 and 8960): q8 runs at a flat ~55-95 GOP/s whatever M, dequant + sgemm climbs
+#: from ~22 GOP/s at M=4 to ~50 at M=16, ~60-67 at M=32 and ~75-90 (sgemm's peak) at M=64: they
+#: cross near M=32 (k-quants' q8 stays ~10-25% ahead even at M=512, but the exact path is taken).
+Q8_MAX_TOKENS = 31
+
+#: Weight rows per chunk on the dequant path: each thread decodes a chunk into its own fp32
+#: scratch and runs a single-threaded sgemm on it (128 was at or near the best for K = 1536
+#: and 8960 at M = 64 and 512).
+DEQUANT_CHUNK_ROWS = 128
+
+_PATHS = ("auto", "fast", "q8", "q8x2", "dequant")
+
+
+_cache: dict = {}  # "mod": the loaded module (or None); "types": qtype -> bool
+
+
+def _kernel_module():
+    """The compiled module or None, looked up once (decode calls this hundreds of times a token)."""
+    if "mod" not in _cache:
+        _cache["mod"] = get_quant_kernels()
+        _cache["types"] = {}
+    return _cache["mod"]
+
+
+def _kernels(qtype: int):
+    """The kernel module when it has kernels for ``qtype``, else None."""
+    mod = _kernel_module()
+    if mod is None:
+        return None
+    types = _cache["types"]
+    ok = types.get(qtype)
+    if ok is None:
+        ok = types[qtype] = bool(mod.supported(int(qtype)))
+    return mod if ok else None
+
+
+def kernel_supported(qtype: int) -> bool:
+    """Whether ``qtype`` (a GGML id, or INT8_PER_CHANNEL / INT4_GROUPWISE) runs on C++ kernels."""
+    return _kernels(qtype) is not None
+
+
+def set_default_path(path: str | None) -> None:
+    """Set the path used when a call passes none (one of ``_PATHS``); None re-reads
+    ``TURBOLLM_QMATMUL`` (read once at import: os.environ costs microseconds per lookup)."""
+    path = path or os.environ.get("TURBOLLM_QMATMUL") or "auto"
+    if path not in _PATHS:
+        raise ValueError(f"unknown quantized-matmul path {path!r}; expected one of {_PATHS}")
+    _cache["path"] = path
+
+
+set_default_path(None)
+
+
+def _resolve_path(m: int, path: str | None) -> str:
+    """The path ("q8", "q8x2" or "dequant") a call of m tokens takes."""
+    path = path or _cache["path"]
+    if path == "auto":
+        return "q8x2" if m <= Q8X2_MAX_TOKENS else "dequant"
+    if path == "fast":
+        return "q8" if m <= Q8_MAX_TOKENS else "dequant"
+    if path not in _PATHS:
+        raise ValueError(f"unknown quantized-matmul path {path!r}; expected one of {_PATHS}")
+    return path
+
+
+def _run_linear(mod, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, scale, zero, group: int,
+                out: torch.Tensor | None, path: str | None) -> torch.Tensor:
+    """Run the chosen kernel path on x flattened to [M, K]; the result keeps x's leading dims."""
+    n = w.shape[0]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    out2 = out if out is None or out.dim() == 2 else out.view(-1, n)
+    chosen = _resolve_path(x2.shape[0], path)
+    if chosen == "dequant":
+        y = mod.linear_dequant(x2, w, qtype, k, scale, zero, group, out2, DEQUANT_CHUNK_ROWS)
+    else:
+        y = mod.linear_q8(x2, w, qtype, k, scale, zero, group, out2, 2 if chosen == "q8x2" else 1)
+    if out is not None:
+        return out
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _result(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GGML block types
 
 
 def ggml_dequantize(w: torch.Tensor, qtype: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """All rows of a GGML-typed weight as float32 ``[N, K]``."""
+    mod = _kernels(qtype)
+    if mod is not None and (out is None or out.dtype == torch.float32):
+        return mod.dequant(w, int(qtype), k, None, None, 0, out)
     return dequantize(w, qtype, (w.shape[0], k), out=out)
 
 
 def ggml_embedding(w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (any shape) of a GGML-typed table as float32 ``[*ids.shape, K]``."""
+    mod = _kernels(qtype)
+    if mod is not None:
+        return mod.embedding(w, int(qtype), k, ids.reshape(-1)).view(*ids.shape, k)
     rows = dequantize_rows(w, qtype, (w.shape[0], k), ids.reshape(-1))
     return rows.view(*ids.shape, k)
 
 
-def ggml_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """``x @ W.T`` for a GGML-typed weight (reference: decode, then fp32 matmul)."""
-    return F.linear(x, ggml_dequantize(w, qtype, k))
+def ggml_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, *, out: torch.Tensor | None = None,
+                path: str | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a GGML-typed weight (kernels when the type has them, else the reference).
+
+    ``out`` (float32, contiguous, ``[*x.shape[:-1], N]``) receives the result; ``path`` forces
+    "q8" or "dequant" (default: ``TURBOLLM_QMATMUL`` or auto by token count).
+    """
+    mod = _kernels(qtype)
+    if mod is None:
+        return _result(ggml_linear_ref(x, w, qtype, k), out)
+    return _run_linear(mod, x, w, int(qtype), k, None, None, 0, out, path)
 
 
-def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for an int8 per-output-channel weight (reference)."""
-    return F.linear(x, w.float() * scale[:, None])
+def ggml_linear_ref(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Reference of ``ggml_linear``: decode, then fp32 matmul."""
+    return F.linear(x.float(), dequantize(w, qtype, (w.shape[0], k)))
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 per-channel and int4 group-wise
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
+                path: str | None = None) -> torch.Tensor:
+    """``x @ W.T`` for an int8 per-output-channel weight."""
+    mod = _kernels(INT8_PER_CHANNEL)
+    k = w.shape[1]
+    if mod is None or k % 32 or not w.is_contiguous():
+        return _result(int8_linear_ref(x, w, scale), out)
+    return _run_linear(mod, x, w, INT8_PER_CHANNEL, k, scale.float().contiguous(), None, 0, out, path)
+
+
+def int8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference of ``int8_linear``."""
+    return F.linear(x.float(), w.float() * scale[:, None])
 
 
 def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
     """A group-wise int4 weight as float32 ``[N, K]``."""
+    mod = _kernels(INT4_GROUPWISE)
+    if mod is not None and group % 32 == 0 and packed.is_contiguous():
+        k = packed.shape[1] * 2
+        return mod.dequant(packed, INT4_GROUPWISE, k, scales.float().contiguous(), zeros.float().contiguous(),
+                           group, None)
+    return int4_dequantize_ref(packed, scales, zeros, group)
+
+
+def int4_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """Reference of ``int4_dequantize``."""
     n = packed.shape[0]
     q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).float()
     q = q.view(n, -1, group)
@@ -53,6 +222,76 @@ def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group: int) -> torch.Tensor:
-    """``x @ W.T`` for a group-wise int4 weight (reference)."""
-    return F.linear(x, int4_dequantize(packed, scales, zeros, group))
+                group: int, *, out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a group-wise int4 weight."""
+    mod = _kernels(INT4_GROUPWISE)
+    k = packed.shape[1] * 2
+    if mod is None or group % 32 or k % group or not packed.is_contiguous():
+        return _result(int4_linear_ref(x, packed, scales, zeros, group), out)
+    return _run_linear(mod, x, packed, INT4_GROUPWISE, k, scales.float().contiguous(), zeros.float().contiguous(),
+                       group, out, path)
+
+
+def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """Reference of ``int4_linear``."""
+    return F.linear(x.float(), int4_dequantize_ref(packed, scales, zeros, group))
+
+
+# ---------------------------------------------------------------------------------------------
+# the q8 path's activation format and its reference
+
+
+def activation_block(qtype: int) -> int:
+    """Block size (32 or 256) in which the q8 path quantizes activations for ``qtype``."""
+    mod = _kernels(qtype)
+    return int(mod.act_block(int(qtype))) if mod is not None else 32
+
+
+def quantize_activations_ref(x: torch.Tensor, block: int = 32, levels: int = 1) -> tuple[torch.Tensor, ...]:
+    """The q8 path's activation quantization, bit-exact with the C++ one.
+
+    ``x`` float32 ``[M, K]`` (K a multiple of ``block``) -> ``q`` int8 ``[R, K]`` and ``d``
+    ``[R, K/block]`` (d = amax / 127 per block, q = round-half-even(x * (1 / d))), then for
+    block 32: ``s32`` ``[R, K/32]`` = d * sum(q) per block and ``s16`` ``[R, K/16]`` = d * sum(q)
+    per half block; for block 256 (the k-quants): ``bs16`` int16 ``[R, K/16]``, the integer
+    sums of each 16 q. R = M, or 2M with ``levels=2``: rows 2m quantize x and rows 2m + 1 the
+    residual x - d q of each block, so that x ~ d1 q1 + d2 q2 (the "q8x2" path).
+    """
+    m, k = x.shape
+    x = x.float()
+    q, d = _quantize_blocks(x, block)
+    if levels == 2:
+        xq = (q.view(m, k // block, block).float() * d[..., None]).reshape(m, k)
+        q2, d2 = _quantize_blocks(x - xq, block)
+        q = torch.stack((q, q2), dim=1).reshape(2 * m, k)
+        d = torch.stack((d, d2), dim=1).reshape(2 * m, k // block)
+        m = 2 * m
+    sums16 = q.view(m, k // 16, 16).sum(dim=-1)
+    q8 = q.to(torch.int8)
+    if block == 256:
+        return q8, d, sums16.to(torch.int16)
+    half = sums16.view(m, k // 32, 2)
+    s16 = d[..., None] * half.float()
+    s32 = d * half.sum(dim=-1).float()
+    return q8, d, s32, s16.reshape(m, k // 16)
+
+
+def _quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``q`` ``[M, K]`` and ``d`` ``[M, K/block]`` of float32 ``x`` (see quantize_activations_ref)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // block, block)
+    d = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(xb * inv[..., None]).to(torch.int32).reshape(m, k), d
+
+
+def q8_linear_ref(x: torch.Tensor, w_dequantized: torch.Tensor, block: int = 32, levels: int = 1) -> torch.Tensor:
+    """What the q8 (levels=1) or q8x2 (levels=2) path computes, up to summation order:
+    (dequantized x) @ W.T in float64, x quantized in blocks of ``block`` (``activation_block``)."""
+    q, d = quantize_activations_ref(x, block, levels)[:2]
+    r, k = q.shape
+    xq = (q.view(r, k // block, block).double() * d.double()[..., None]).reshape(r, k)
+    if levels == 2:
+        xq = xq.view(r // 2, 2, k).sum(dim=1)
+    return (xq @ w_dequantized.double().T).float()

@@ -4,7 +4,10 @@ Column-parallel layers split the output dimension across ranks, row-parallel one
 input dimension (and all-reduce their output). Merged layers (QKV, gate/up) hold several
 logical weights in one matrix; `weight_loader(param, tensor, shard_id)` places each
 checkpoint tensor in its slice. How the weight is stored and multiplied is the layer's
-`LinearMethod` (quantization strategy); the model files see only these classes.
+`LinearMethod` (quantization strategy): the loaders check shapes and cut this rank's part,
+then hand the weight's rows to `method.load_weight` (biases are always dense float32). A
+checkpoint tensor is a torch tensor or a `QuantizedTensor` (raw GGML blocks), which slices
+the same way. The model files see only these classes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from torch import nn
 
 from turbollm.distributed import divide, get_tp
 from turbollm.errors import WeightLoadError
-from turbollm.quantization import LinearMethod, UnquantizedLinearMethod
+from turbollm.quantization import LinearMethod, QuantizedTensor, UnquantizedLinearMethod
+from turbollm.quantization.qtensor import as_dense
+
+Loaded = torch.Tensor | QuantizedTensor
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -44,8 +50,16 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         raise NotImplementedError
+
+    def store_rows(self, param: nn.Parameter, loaded: Loaded, row_offset: int, what: str) -> None:
+        """Put `loaded` at output rows `row_offset...` of `param`: the weight through the method, a bias densely."""
+        if param is self._parameters.get("weight"):
+            self.method.load_weight(self, loaded, row_offset, what)
+        else:
+            loaded = as_dense(loaded)
+            copy_checked(param.data.narrow(0, row_offset, loaded.shape[0]), loaded, what)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={type(self.method).__name__}"
@@ -58,10 +72,13 @@ class ColumnParallelLinear(LinearBase):
         tp = get_tp()
         super().__init__(in_features, divide(out_features, tp.tp_size), bias, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         size = param.shape[0]
-        copy_checked(param, loaded.narrow(0, self.tp.tp_rank * size, size) if self.tp.tp_size > 1 else loaded,
-                     "column-parallel weight")
+        if tuple(loaded.shape) != (size * self.tp.tp_size, *param.shape[1:]):
+            raise WeightLoadError(f"column-parallel weight: checkpoint shape {tuple(loaded.shape)} does not match "
+                                  f"the model's {(size * self.tp.tp_size, *param.shape[1:])}")
+        self.store_rows(param, loaded.narrow(0, self.tp.tp_rank * size, size) if self.tp.tp_size > 1 else loaded,
+                        0, "column-parallel weight")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -71,7 +88,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int = 0) -> None:
         tp = self.tp
         offset = sum(self.output_sizes[:shard_id]) // tp.tp_size
         size = self.output_sizes[shard_id] // tp.tp_size
@@ -79,8 +96,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if tuple(loaded.shape) != expected:
             raise WeightLoadError(f"merged shard {shard_id}: checkpoint shape {tuple(loaded.shape)} does not match "
                                   f"the model's {expected}")
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp.tp_rank * size, size),
-                     f"merged shard {shard_id}")
+        self.store_rows(param, loaded.narrow(0, tp.tp_rank * size, size), offset, f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -105,7 +121,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str = "q") -> None:
         tp = self.tp
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, tp.tp_rank
@@ -121,7 +137,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if tuple(loaded.shape) != expected:
             raise WeightLoadError(f"{shard_id}_proj: checkpoint shape {tuple(loaded.shape)} does not match "
                                   f"the model's {expected}")
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+        self.store_rows(param, loaded.narrow(0, rank * size, size), offset, f"{shard_id}_proj")
 
 
 class RowParallelLinear(LinearBase):
@@ -131,11 +147,15 @@ class RowParallelLinear(LinearBase):
         tp = get_tp()
         super().__init__(divide(in_features, tp.tp_size), out_features, bias and tp.tp_rank == 0, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        expected = (param.shape[0], param.shape[1] * self.tp.tp_size) if param.dim() == 2 else tuple(param.shape)
+        if tuple(loaded.shape) != expected:
+            raise WeightLoadError(f"row-parallel weight: checkpoint shape {tuple(loaded.shape)} does not match "
+                                  f"the model's {expected}")
         if param.dim() == 2 and self.tp.tp_size > 1:
             size = param.shape[1]
-            loaded = loaded.narrow(1, self.tp.tp_rank * size, size)
-        copy_checked(param, loaded, "row-parallel weight")
+            loaded = loaded.narrow(1, self.tp.tp_rank * size, size)  # along K: whole GGML blocks only
+        self.store_rows(param, loaded, 0, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias)

@@ -1,4 +1,8 @@
-"""RMSNorm in fp32: `x / sqrt(mean(x^2) + eps) * w`.
+"""RMSNorm in fp32: `x / sqrt(mean(x^2) + eps) * w`, optionally fused with the residual add.
+
+`norm(x, residual)` first adds x into `residual` in place, then normalizes the sum: one pass
+instead of an add, a copy and a norm, as the decoder blocks chain them. The C++ kernel
+(`kernels/csrc/fused_ops.cpp`) runs it for float32; `rms_norm_reference` is the plain path.
 
 Gemma stores its norm weight as an offset from one (it computes `x * (1 + w)`); the GGUF
 converter has already added the one, so the loader adds it for Hugging Face weights and
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from turbollm.kernels import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +30,19 @@ class RMSNorm(nn.Module):
 
         copy_checked(param, loaded.float() + self.weight_offset if self.weight_offset else loaded, "norm weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        var = xf.pow(2).mean(-1, keepdim=True)
-        return (xf * torch.rsqrt(var + self.eps) * self.weight).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        kernels = cpu_kernels()
+        if kernels is not None and x.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32):
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_reference(x, self.weight, self.eps, residual)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain PyTorch RMSNorm (with `residual += x` first, in place, when given)."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps) * weight).to(x.dtype)

@@ -1,13 +1,17 @@
 """Rotary position embedding (NeoX layout: the two halves of each head form the pairs).
 
 Llama-family GGUF files store Q/K rows permuted for the interleaved layout; the loader
-undoes that permutation, so one RoPE serves every architecture.
+undoes that permutation, so one RoPE serves every architecture. For float32 the C++ kernel
+rotates q and k in place in one pass (`kernels/csrc/fused_ops.cpp`); `rope_reference` is the
+plain path.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from turbollm.kernels import cpu_kernels
 
 
 class RotaryEmbedding(nn.Module):
@@ -29,9 +33,20 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T] → rotated (q, k)."""
         if positions.numel() and int(positions.max()) >= self._cache_len:
             self._grow(max(int(positions.max()) + 1, 2 * self._cache_len))
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        kernels = cpu_kernels()
+        if kernels is not None and q.dtype == torch.float32 and k.dtype == torch.float32 \
+                and q.stride(-1) == 1 and k.stride(-1) == 1:
+            kernels.rope_(q, k, positions, self.cos, self.sin)
+            return q, k
+        return rope_reference(positions, q, k, self.cos, self.sin)
+
+
+def rope_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                   sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain PyTorch NeoX rotation of q and k (new tensors)."""
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

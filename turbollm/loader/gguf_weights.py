@@ -1,9 +1,16 @@
-"""GGUF tensors → (Hugging Face name, fp32 tensor) pairs, one tensor at a time.
+"""GGUF tensors → (Hugging Face name, tensor) pairs, one tensor at a time.
 
 GGUF uses llama.cpp's tensor names (`blk.3.attn_q.weight`); the models load by Hugging
 Face names, so this table translates. Llama-architecture files store the rows of Q and K
-permuted for llama.cpp's interleaved RoPE; `unpermute_rows` restores the HF order.
-Tensors are dequantized lazily, so peak memory is the model plus one tensor.
+permuted for llama.cpp's interleaved RoPE; `unpermute_rows` restores the HF order (on float
+rows or on whole rows of GGML blocks alike).
+
+Two modes, chosen by the linear method (`LinearMethod.accepts_ggml_blocks`):
+- float32 (`keep_quantized=False`): every tensor is dequantized lazily, so peak memory is the
+  model plus one tensor;
+- native (`keep_quantized=True`): a block-quantized 2-D tensor is yielded as a
+  `QuantizedTensor` whose bytes are a zero-copy view of the mapped file (the layer that keeps
+  it makes its own copy); float tensors (F32/F16/BF16) and 1-D tensors still come as float32.
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ import torch
 from turbollm.config import ModelConfig
 from turbollm.errors import UnsupportedTensorTypeError, WeightLoadError
 from turbollm.formats.gguf_file import GGUFFile, GGUFTensor
+from turbollm.quantization.qtensor import QuantizedTensor, ggml_type_name
+
+#: GGUF float types: always handed over as float32, never as raw blocks.
+_FLOAT_TYPES = frozenset({0, 1, 28, 30})  # F32, F16, F64, BF16
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,8 +87,26 @@ def dequantize_tensor(t: GGUFTensor) -> torch.Tensor:
     return dequantize(raw_tensor(t), t.qtype, t.shape, tensor_name=t.name)
 
 
-def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor of the file, in file order."""
+def quantized_tensor(t: GGUFTensor) -> QuantizedTensor:
+    """The raw blocks of a block-quantized 2-D tensor (a view of the file), if we can decode its type."""
+    from turbollm.formats.ggml_types import is_supported
+
+    if not is_supported(t.qtype):
+        raise UnsupportedTensorTypeError(f"unsupported GGUF type {ggml_type_name(t.qtype)} in tensor {t.name}")
+    return QuantizedTensor(raw_tensor(t).reshape(t.shape[0], -1), t.qtype, tuple(t.shape), t.name)
+
+
+def _keeps_blocks(t: GGUFTensor) -> bool:
+    return len(t.shape) == 2 and t.qtype not in _FLOAT_TYPES
+
+
+def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig, *,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, tensor) for every tensor of the file, in file order.
+
+    The tensor is float32, or with `keep_quantized` a `QuantizedTensor` for block-quantized
+    matrices. An undecodable type raises UnsupportedTensorTypeError naming file and tensor.
+    """
     for name, t in gguf.tensors.items():
         target = hf_name(name, cfg.arch)
         if target is None:
@@ -85,9 +114,11 @@ def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, t
                 raise WeightLoadError(f"{gguf.path}: tensor {name!r} (RoPE frequency scaling) is not supported yet")
             raise WeightLoadError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.arch}")
         try:
-            w = dequantize_tensor(t)
+            w = quantized_tensor(t) if keep_quantized and _keeps_blocks(t) else dequantize_tensor(t)
         except UnsupportedTensorTypeError as e:
             raise UnsupportedTensorTypeError(f"{gguf.path}: {e}") from None
         if cfg.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rows(w, cfg.num_heads if "q_proj" in target else cfg.num_kv_heads)
+            heads = cfg.num_heads if "q_proj" in target else cfg.num_kv_heads
+            w = w.map_rows(lambda rows: unpermute_rows(rows, heads)) if isinstance(w, QuantizedTensor) \
+                else unpermute_rows(w, heads)
         yield target, w

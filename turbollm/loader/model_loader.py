@@ -9,11 +9,16 @@ from typing import Any
 import torch
 
 from turbollm.config import ModelConfig, config_from_gguf, config_from_hf
-from turbollm.errors import ModelFormatError
+from turbollm.errors import InvalidRequestError, ModelFormatError
 from turbollm.hub.resolve import CheckpointFormat, ResolvedModel, resolve_model
 from turbollm.models import build_model
 from turbollm.models.common import CausalLM
-from turbollm.quantization import get_linear_method
+from turbollm.quantization import LinearMethod, get_linear_method
+from turbollm.quantization.qtensor import resident_bytes, storage_summary
+
+#: The linear method a checkpoint gets when none is asked for: GGUF weights stay in their
+#: own block types (as in llama.cpp); other formats load as dense float32.
+DEFAULT_QUANTIZATION = {CheckpointFormat.GGUF: "gguf"}
 
 
 @dataclass
@@ -26,25 +31,41 @@ class LoadedModel:
     tokenizer: Any  # turbollm.tokenizer.Tokenizer
     load_seconds: float
     file_tensor_bytes: int  # bytes of tensor data in the checkpoint file(s)
+    quantization: str = "none"  # the linear method's registry name
 
     @property
     def weight_bytes(self) -> int:
-        """Resident bytes of the model's parameters (shared tensors counted once)."""
-        seen, total = set(), 0
-        for p in self.model.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        return total
+        """Resident bytes of every parameter and buffer (raw GGML blocks included; shared storage once)."""
+        return resident_bytes(self.model)
+
+    @property
+    def weights_storage(self) -> str:
+        """How the weights are held, e.g. `gguf: Q4_1 85.9 MB, Q8_0 29.9 MB, float32 0.2 MB`."""
+        parts = ", ".join(f"{kind} {nbytes / 1e6:.1f} MB" for kind, nbytes in storage_summary(self.model).items())
+        return f"{self.quantization}: {parts}"
+
+
+def pick_linear_method(quantization: str | None, fmt: CheckpointFormat, path) -> tuple[str, LinearMethod]:
+    """The method's name and instance for `quantization` (None: the format's default) on a checkpoint."""
+    name = quantization or DEFAULT_QUANTIZATION.get(fmt, "none")
+    method = get_linear_method(name)
+    if method.accepts_ggml_blocks and fmt is not CheckpointFormat.GGUF:
+        raise InvalidRequestError(f"quantization {name!r} keeps a GGUF file's own block types, but {path} is a "
+                                  f"{fmt.value} checkpoint; use 'none' or a method that quantizes at load")
+    return name, method
 
 
 def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve `name` (catalog name, GGUF file, HF folder or hub id) and load it on the CPU."""
+    """Resolve `name` (catalog name, GGUF file, HF folder or hub id) and load it on the CPU.
+
+    `quantization` names a linear method (`turbollm.quantization.LINEAR_METHODS`); None: "gguf"
+    for a GGUF file (weights stay in its block types), "none" (float32) otherwise.
+    """
     from turbollm.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     resolved = resolve_model(name)
-    method = get_linear_method(quantization)
+    qname, method = pick_linear_method(quantization, resolved.format, resolved.path)
     if resolved.format is CheckpointFormat.GGUF:
         from turbollm.formats.gguf_file import read_gguf
         from turbollm.loader.gguf_weights import iter_gguf_weights
@@ -55,16 +76,24 @@ def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype
             tokenizer = Tokenizer.from_gguf(gguf.metadata)
         except ModelFormatError as e:  # the tokenizer sees only the metadata: name the file here
             raise ModelFormatError(f"{gguf.path}: {e}") from None
-        weights, hf_layout, file_bytes = iter_gguf_weights(gguf, cfg), False, gguf.tensor_bytes
+        weights = iter_gguf_weights(gguf, cfg, keep_quantized=method.accepts_ggml_blocks)
+        hf_layout, file_bytes = False, gguf.tensor_bytes
     else:
-        from turbollm.loader.safetensors_weights import iter_safetensors_weights, safetensors_files
+        from turbollm.loader.safetensors_weights import iter_checkpoint_weights, quantized_checkpoint, safetensors_files
 
         cfg = config_from_hf(resolved.path)
+        quantized = quantized_checkpoint(resolved.path)
+        if quantized is not None:  # GPTQ/AWQ folder: its config.json decides the method
+            layout, layout_cfg = quantized
+            if quantization not in (None, layout.name):
+                raise InvalidRequestError(f"{resolved.path} is a {layout.name} checkpoint; load it without "
+                                          f"quantization={quantization!r} (its method is read from config.json)")
+            qname, method = layout.name, layout.linear_method(layout_cfg)
         tokenizer = Tokenizer.from_hf_folder(resolved.path)
-        weights, hf_layout = iter_safetensors_weights(resolved.path), True
+        weights, hf_layout = iter_checkpoint_weights(resolved.path, quantized), True
         file_bytes = sum(f.stat().st_size for f in safetensors_files(resolved.path))
     with torch.no_grad():
         model = build_model(cfg, method)
         model.load_weights(weights, hf_layout=hf_layout, source=str(resolved.path))
     model.eval()
-    return LoadedModel(resolved, cfg, model, tokenizer, time.perf_counter() - t0, file_bytes)
+    return LoadedModel(resolved, cfg, model, tokenizer, time.perf_counter() - t0, file_bytes, qname)

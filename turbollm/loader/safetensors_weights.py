@@ -1,4 +1,10 @@
-"""Hugging Face safetensors folders → (name, fp32 tensor) pairs, memory-mapped, one tensor at a time."""
+"""Hugging Face safetensors folders → (name, fp32 tensor) pairs, memory-mapped, one tensor at a time.
+
+Floating tensors arrive as float32 and integer tensors as they are. A folder whose
+``config.json`` has a ``quantization_config`` (GPTQ, AWQ) is read through its layout's
+converter (`quantization.checkpoint_layouts`): `quantized_checkpoint` says which, and
+`iter_checkpoint_weights` yields every tensor already in our parameter layout.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,29 @@ def safetensors_files(folder: Path) -> list[Path]:
     if not files:
         raise ModelFormatError(f"{folder}: no *.safetensors files")
     return files
+
+
+def quantized_checkpoint(folder: Path):
+    """(layout, settings) of a GPTQ/AWQ folder, from its config.json; None for a dense one."""
+    from turbollm.quantization.checkpoint_layouts import read_quantization_config
+
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: cannot read: {e}") from None
+    return read_quantization_config(raw, str(path))
+
+
+def iter_checkpoint_weights(folder: Path, quantized=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder, converted to our layout when the folder is quantized."""
+    from turbollm.quantization.checkpoint_layouts import convert_quantized_stream
+
+    weights = iter_safetensors_weights(folder)
+    if quantized is None:
+        return weights
+    layout, cfg = quantized
+    return convert_quantized_stream(weights, layout, cfg, str(folder))
 
 
 def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -3,6 +3,9 @@
 `CausalLM.load_weights` is the one loading loop for every checkpoint format: it receives
 (Hugging Face name, tensor) pairs, routes stacked projections (q/k/v → qkv_proj, gate/up →
 gate_up_proj) to their shard, and reports missing, unexpected or mis-shaped tensors by name.
+A tensor may be a `QuantizedTensor` (raw GGML blocks): the linear layers and the embeddings
+keep it, any other parameter gets it decoded. Once every tensor is in, each linear layer's
+method finishes its storage (`process_weights_after_loading`).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from turbollm.errors import WeightLoadError
 from turbollm.layers.activation import GatedActivation
 from turbollm.layers.attention import Attention
 from turbollm.layers.embedding import LMHead, VocabEmbedding
-from turbollm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, copy_checked
+from turbollm.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                    copy_checked)
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
 from turbollm.models.forward_batch import ForwardBatch
-from turbollm.quantization import LinearMethod
+from turbollm.quantization import LinearMethod, QuantizedTensor
+from turbollm.quantization.qtensor import as_dense
 
 
 class SelfAttention(nn.Module):
@@ -90,7 +95,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of every new token."""
@@ -103,7 +108,8 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, hf_layout: bool, source: str = "checkpoint") -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], *, hf_layout: bool,
+                     source: str = "checkpoint") -> None:
         """Load (HF name, tensor) pairs; raise WeightLoadError on missing/unexpected/mis-shaped tensors."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -122,6 +128,8 @@ class CausalLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
+            if isinstance(tensor, QuantizedTensor) and not _keeps_blocks(self, target):
+                tensor = as_dense(tensor)
             try:
                 if hf_layout and hasattr(param, "hf_weight_loader"):
                     param.hf_weight_loader(param, tensor)
@@ -152,7 +160,21 @@ class CausalLM(nn.Module):
         if missing:
             raise WeightLoadError(f"{source}: missing tensors: {', '.join(missing[:10])}"
                                   + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+        for mname, layer in self.named_modules():
+            if isinstance(layer, LinearBase):
+                try:
+                    layer.method.process_weights_after_loading(layer)
+                except WeightLoadError as e:
+                    raise WeightLoadError(f"{source}: layer {mname!r}: {e}") from None
         self.tie_weights()
+
+
+def _keeps_blocks(model: nn.Module, pname: str) -> bool:
+    """Whether parameter `pname` takes raw GGML blocks: an embedding table, or a linear weight whose method does."""
+    owner = model.get_submodule(pname.rsplit(".", 1)[0])
+    if isinstance(owner, VocabEmbedding):
+        return True
+    return isinstance(owner, LinearBase) and pname.endswith(".weight") and owner.method.accepts_ggml_blocks
 
 
 def _checkpoint_name(pname: str, shard) -> str:

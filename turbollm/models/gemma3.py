@@ -35,9 +35,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _norm(cfg)
         self.post_feedforward_layernorm = _norm(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x += post_norm(attn(norm(x))); x += post_norm(mlp(norm(x))), with the residual stream
+        carried beside the output: each pre-norm adds the previous output into it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.pre_feedforward_layernorm(self.post_attention_layernorm(self.self_attn(h, batch)), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -51,9 +58,10 @@ class Gemma3Model(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)
 
 
 class Gemma3ForCausalLM(CausalLM):

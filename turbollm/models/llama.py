@@ -1,7 +1,9 @@
 """Llama-family decoder (SmolLM2, Llama) and Qwen2 (the same block with QKV bias).
 
-Block: x += attn(norm(x)); x += mlp(norm(x)). GQA through head grouping in the attention
-backend; tied embeddings when the checkpoint has no separate output matrix.
+Block: x += attn(norm(x)); x += mlp(norm(x)). The residual stream is carried beside the block
+output and each norm adds the previous output into it (`RMSNorm(x, residual)`), so a block
+costs no separate add. GQA through head grouping in the attention backend; tied embeddings
+when the checkpoint has no separate output matrix.
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block output, residual stream); the stream excludes the output until the next norm adds it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -37,10 +45,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from turbollm.errors import InvalidRequestError
+from turbollm.quantization.qtensor import QuantizedTensor, as_dense
 
 LINEAR_METHODS: dict[str, type["LinearMethod"]] = {}
 
@@ -20,10 +23,33 @@ def register_linear_method(name: str) -> Callable[[type["LinearMethod"]], type["
 
 
 class LinearMethod:
-    """How one linear layer stores its weights and multiplies by them."""
+    """How one linear layer stores its weight and multiplies by it.
+
+    Life of a layer: `create_weights` at construction; the layer's shard loaders hand each
+    checkpoint tensor (or row slice of one) to `load_weight`; after the whole checkpoint is
+    loaded, `CausalLM.load_weights` calls `process_weights_after_loading` once per layer
+    (repack, quantize, concatenate shards; must be safe to call again); then `apply`.
+    """
+
+    #: True: the GGUF loader hands this method `QuantizedTensor`s (raw GGML blocks) for
+    #: block-quantized tensors. False: every tensor arrives dequantized to float32.
+    accepts_ggml_blocks: ClassVar[bool] = False
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         raise NotImplementedError
+
+    def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantizedTensor, row_offset: int, what: str) -> None:
+        """Place `loaded` (this rank's rows of one checkpoint tensor) at output rows `row_offset...`.
+
+        Default: copy into the dense `layer.weight` (a QuantizedTensor is decoded first).
+        """
+        from turbollm.layers.linear import copy_checked
+
+        loaded = as_dense(loaded)
+        copy_checked(layer.weight.data.narrow(0, row_offset, loaded.shape[0]), loaded, what)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once every tensor of the layer is loaded; default: nothing to do."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -47,5 +73,5 @@ class UnquantizedLinearMethod(LinearMethod):
 def get_linear_method(name: str | None) -> LinearMethod:
     key = name or "none"
     if key not in LINEAR_METHODS:
-        raise ValueError(f"unknown quantization {name!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
+        raise InvalidRequestError(f"unknown quantization {name!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
     return LINEAR_METHODS[key]()

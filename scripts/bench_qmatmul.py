@@ -1,0 +1,123 @@
+"""Benchmark of the quantized-matmul kernels (turbollm/kernels/quant.py).
+
+For each weight type, shape (K -> N: K inputs, N outputs) and token count M it times the q8
+path, the q8x2 path (--q8x2), the dequant path and fp32 F.linear on the dequantized weight,
+side by side in one run
+(round-robin repetitions; median, or --stat min), at each thread count. GB/s counts the weight bytes the
+call reads (quantized bytes for the kernels, 4 bytes a weight for fp32); GFLOP/s is 2*M*N*K/t.
+
+By default weights are "cold": enough copies to overflow the L3 cache (32 MiB here) are used
+in turn, so the numbers are what a model much larger than the cache sees. --hot uses one copy.
+
+    python scripts/bench_qmatmul.py --types Q4_K Q6_K --m 1 4 16 --threads 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+
+from turbollm.formats.ggml_types import dequantize
+from turbollm.kernels.quant import ggml_linear, kernel_supported
+
+SHAPES = {"1536x8960": (1536, 8960), "8960x1536": (8960, 1536), "576x1536": (576, 1536)}
+F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+CACHE_BYTES = 256 << 20  # bytes of weight copies used in turn when cold (8x the 32 MiB L3)
+
+
+def make_weight(qtype: T, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random blocks: gguf-py's quantizer where it has one, else random bytes with sane fp16 scales."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if qtype in F16_FIELDS:
+        raw = torch.randint(0, 256, (n * k // bs, ts), dtype=torch.uint8, generator=gen)
+        for off in F16_FIELDS[qtype]:
+            v = (torch.rand(raw.shape[0], generator=gen) * 0.01 + 0.001).half()
+            raw[:, off : off + 2] = v.view(torch.uint8).view(-1, 2)
+        return raw.view(n, -1)
+    data = torch.randn(n, k, generator=gen).numpy()
+    return torch.from_numpy(quants.quantize(data, qtype)).view(torch.uint8).view(n, -1)
+
+
+def bench(fns: dict, reps: int, stat=statistics.median) -> dict:
+    """Seconds of each callable (``stat`` of the repetitions), run round-robin after one warm-up."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: stat(v) for name, v in times.items()}
+
+
+def cycler(items: list):
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+
+    return nxt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64, 512])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--reps", type=int, default=0, help="repetitions (default: by size)")
+    ap.add_argument("--hot", action="store_true", help="one weight copy (cache-resident when small)")
+    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 F.linear baseline")
+    ap.add_argument("--q8x2", action="store_true", help="also time the q8x2 path (two int8 activation levels)")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="min: best repetition (what the code can do when other processes leave the cores alone)")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    cols = ["q8"] + (["q8x2"] if args.q8x2 else []) + ["deq"] + ([] if args.no_fp32 else ["fp32"])
+    print(f"{'type':5} {'K->N':>10} {'M':>4} {'thr':>3}"
+          + "".join(f" | {c + ' ms':>8} {'GB/s':>6} {'GF/s':>6}" for c in cols))
+    for tname in args.types:
+        qtype = T[tname]
+        if not kernel_supported(qtype):
+            print(f"{tname}: no kernel")
+            continue
+        for sname in args.shapes:
+            k, n = SHAPES[sname]
+            if k % GGML_QUANT_SIZES[qtype][0]:
+                continue  # rows are not whole blocks of this type
+            w0 = make_weight(qtype, n, k, gen)
+            nbytes = w0.numel()
+            copies = 1 if args.hot else max(1, -(-CACHE_BYTES // nbytes))
+            ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            wf = dequantize(w0, qtype, (n, k))
+            wfs = [wf] + ([] if args.hot else [wf.clone() for _ in range(max(0, -(-CACHE_BYTES // (4 * n * k)) - 1))])
+            nw, nwf = cycler(ws), cycler(wfs)
+            for m in args.m:
+                x = torch.randn(m, k, generator=gen)
+                flops = 2.0 * m * n * k
+                reps = args.reps or max(3, min(50, int(2e9 / max(flops, 1e6))))
+                fns = {"q8": lambda: ggml_linear(x, nw(), qtype, k, path="q8")}
+                if args.q8x2:
+                    fns["q8x2"] = lambda: ggml_linear(x, nw(), qtype, k, path="q8x2")
+                fns["deq"] = lambda: ggml_linear(x, nw(), qtype, k, path="dequant")
+                if not args.no_fp32:
+                    fns["fp32"] = lambda: F.linear(x, nwf())
+                for thr in args.threads:
+                    torch.set_num_threads(thr)
+                    t = bench(fns, reps, min if args.stat == "min" else statistics.median)
+                    row = f"{tname:5} {k:>5}->{n:<5} {m:>3} {thr:>3}"
+                    for name in cols:
+                        b = 4 * n * k if name == "fp32" else nbytes
+                        row += f" | {t[name] * 1e3:8.3f} {b / t[name] / 1e9:6.1f} {flops / t[name] / 1e9:6.1f}"
+                    print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The C++ quantized-matmul kernels (kernels/csrc/quant_*.cpp) against their PyTorch references.
+
+- q8 path: equals ``q8_linear_ref`` (dequantized Q8 activations times the exactly decoded W,
+  in float64) to ~1e-5 relative (summation order only), and the exact fp32 product to 2e-2 of
+  its largest magnitude (the error of 8-bit activations over random data is ~5e-3); q8x2 (two
+  int8 levels) the same reference with levels=2 and the exact product to 3e-4.
+- dequant path: the fp32 product up to sgemm rounding; ``ggml_dequantize`` and
+  ``ggml_embedding`` bit-exact with the ``formats.ggml_types`` decoders.
+- without the compiled module every function returns its reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+
+from turbollm.formats.ggml_types import dequantize, dequantize_rows
+from turbollm.kernels import get_quant_kernels
+from turbollm.kernels import quant as Q
+from conftest import catalog_model_path
+
+GGML_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+MS = [1, 3, 17, 70]
+Q8_REF_RTOL = 1e-5  # q8 kernel vs q8_linear_ref, relative to max |ref|
+Q8_EXACT_TOL = 2e-2  # q8 kernel vs exact fp32 product, relative to max |exact|
+Q8X2_EXACT_TOL = 3e-4  # q8x2 (two int8 levels): ~100x smaller activation error
+
+needs_kernels = pytest.mark.skipif(get_quant_kernels() is None, reason="quantized-matmul kernels not built")
+
+
+def random_weight(qtype: T, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Raw blocks ``[n, row_bytes]``: gguf-py's quantizer where it has one, else random bytes
+    with small finite fp16 scales."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if qtype in F16_FIELDS:
+        raw = torch.randint(0, 256, (n * k // bs, ts), dtype=torch.uint8, generator=gen)
+        for off in F16_FIELDS[qtype]:
+            v = (torch.rand(raw.shape[0], generator=gen) * 0.01 + 0.001).half()
+            raw[:, off : off + 2] = v.view(torch.uint8).view(-1, 2)
+        return raw.view(n, -1)
+    data = torch.randn(n, k, generator=gen).numpy()
+    return torch.from_numpy(quants.quantize(data, qtype)).view(torch.uint8).view(n, -1)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def check_q8(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor, qtype: int, levels: int = 1) -> None:
+    assert rel_err(y, Q.q8_linear_ref(x, wd, Q.activation_block(qtype), levels)) < Q8_REF_RTOL
+    assert rel_err(y, x @ wd.T) < (Q8_EXACT_TOL if levels == 1 else Q8X2_EXACT_TOL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("block", [32, 256])
+def test_activation_quantization_is_bit_exact(block, levels):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 512, generator=gen) * torch.logspace(-3, 3, 5)[:, None]
+    x[1, 256:512] = 0.0  # all-zero blocks (scale 0)
+    x[2, 5] = 1e4  # one outlier
+    got = get_quant_kernels().quantize_act(x, block, levels)
+    for a, b in zip(got, Q.quantize_activations_ref(x, block, levels), strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", GGML_TYPES, ids=lambda t: t.name)
+def test_ggml_types(qtype):
+    gen = torch.Generator().manual_seed(int(qtype))
+    n, k = 37, (512 if GGML_QUANT_SIZES[qtype][0] == 256 else 352)  # 352: 8 blocks + 3 (remainder path)
+    w = random_weight(qtype, n, k, gen)
+    wd = dequantize(w, qtype, (n, k))
+    assert Q.kernel_supported(qtype)
+    assert torch.equal(Q.ggml_dequantize(w, qtype, k), wd)
+    out = torch.empty(n, k)
+    assert Q.ggml_dequantize(w, qtype, k, out=out) is out and torch.equal(out, wd)
+    ids = torch.tensor([[3, 0, 36], [-1, 7, 3]])
+    rows = dequantize_rows(w, qtype, (n, k), ids.reshape(-1)).view(2, 3, k)
+    assert torch.equal(Q.ggml_embedding(w, qtype, k, ids), rows)
+    for m in MS:
+        x = torch.randn(m, k, generator=gen)
+        check_q8(Q.ggml_linear(x, w, qtype, k, path="q8"), x, wd, qtype)
+        check_q8(Q.ggml_linear(x, w, qtype, k, path="q8x2"), x, wd, qtype, levels=2)
+        torch.testing.assert_close(Q.ggml_linear(x, w, qtype, k, path="dequant"), x @ wd.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_int8_per_channel():
+    gen = torch.Generator().manual_seed(2)
+    n, k = 37, 192
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) * 0.01
+    wd = w.float() * scale[:, None]
+    assert Q.kernel_supported(Q.INT8_PER_CHANNEL)
+    for m in MS:
+        x = torch.randn(m, k, generator=gen)
+        check_q8(Q.int8_linear(x, w, scale, path="q8"), x, wd, Q.INT8_PER_CHANNEL)
+        check_q8(Q.int8_linear(x, w, scale, path="q8x2"), x, wd, Q.INT8_PER_CHANNEL, levels=2)
+        torch.testing.assert_close(Q.int8_linear(x, w, scale, path="dequant"), x @ wd.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_groupwise(group):
+    gen = torch.Generator().manual_seed(group)
+    n, k = 37, 256
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01
+    zeros = torch.rand(n, k // group, generator=gen) * 15
+    wd = Q.int4_dequantize_ref(packed, scales, zeros, group)
+    assert torch.equal(Q.int4_dequantize(packed, scales, zeros, group), wd)
+    for m in MS:
+        x = torch.randn(m, k, generator=gen)
+        check_q8(Q.int4_linear(x, packed, scales, zeros, group, path="q8"), x, wd, Q.INT4_GROUPWISE)
+        check_q8(Q.int4_linear(x, packed, scales, zeros, group, path="q8x2"), x, wd, Q.INT4_GROUPWISE, levels=2)
+        torch.testing.assert_close(Q.int4_linear(x, packed, scales, zeros, group, path="dequant"), x @ wd.T,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_paths_out_and_leading_dims(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    n, k = 20, 256
+    w = random_weight(T.Q4_K, n, k, gen)
+    x = torch.randn(2, 50, k, generator=gen)
+    q8 = Q.ggml_linear(x, w, T.Q4_K, k, path="q8")
+    deq = Q.ggml_linear(x, w, T.Q4_K, k, path="dequant")
+    assert q8.shape == (2, 50, n) and rel_err(q8, deq) > 1e-6
+    try:
+        monkeypatch.setenv("TURBOLLM_QMATMUL", "q8")
+        Q.set_default_path(None)
+        assert torch.equal(Q.ggml_linear(x, w, T.Q4_K, k), q8)  # 100 tokens, forced to q8
+        Q.set_default_path("dequant")
+        torch.testing.assert_close(Q.ggml_linear(x[:, :1], w, T.Q4_K, k), deq[:, :1])  # 2 tokens: not q8
+        out = torch.empty(2, 50, n)
+        assert Q.ggml_linear(x, w, T.Q4_K, k, out=out) is out and torch.equal(out, deq)
+        with pytest.raises(ValueError):
+            Q.set_default_path("fastest")
+        with pytest.raises(ValueError):
+            Q.ggml_linear(x, w, T.Q4_K, k, path="fastest")
+    finally:
+        monkeypatch.delenv("TURBOLLM_QMATMUL")
+        Q.set_default_path(None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_dequant_path_many_chunks(qtype):
+    """N > DEQUANT_CHUNK_ROWS: several chunks, written into column slices of the output."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 2 * Q.DEQUANT_CHUNK_ROWS + 45, 256
+    w = random_weight(qtype, n, k, gen)
+    wd = dequantize(w, qtype, (n, k))
+    x = torch.randn(40, k, generator=gen)
+    torch.testing.assert_close(Q.ggml_linear(x, w, qtype, k, path="dequant"), x @ wd.T, rtol=1e-5, atol=1e-5)
+    check_q8(Q.ggml_linear(x, w, qtype, k, path="q8"), x, wd, qtype)
+
+
+@needs_kernels
+def test_auto_and_fast_thresholds():
+    gen = torch.Generator().manual_seed(8)
+    n, k = 20, 256
+    w = random_weight(T.Q6_K, n, k, gen)
+    for path, small, limit in (("auto", "q8x2", Q.Q8X2_MAX_TOKENS), ("fast", "q8", Q.Q8_MAX_TOKENS)):
+        for m, expect in ((1, small), (limit, small), (limit + 1, "dequant")):
+            x = torch.randn(m, k, generator=gen)
+            assert torch.equal(Q.ggml_linear(x, w, T.Q6_K, k, path=path), Q.ggml_linear(x, w, T.Q6_K, k, path=expect))
+
+
+@needs_kernels
+def test_inference_mode_and_back():
+    """The dequant path's per-thread sgemm runs under the caller's grad / inference mode."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = Q.DEQUANT_CHUNK_ROWS + 20, 256
+    w = random_weight(T.Q4_K, n, k, gen)
+    x = torch.randn(40, k, generator=gen)
+    with torch.inference_mode():
+        a = Q.ggml_linear(x, w, T.Q4_K, k, path="dequant")
+    b = Q.ggml_linear(x, w, T.Q4_K, k, path="dequant")
+    with torch.inference_mode():
+        c = Q.ggml_linear(x, w, T.Q4_K, k, path="dequant")
+    assert torch.equal(a, b) and torch.equal(b, c) and not b.is_inference()
+
+
+def test_fallback_without_kernels(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    n, k = 9, 256
+    w = random_weight(T.Q4_K, n, k, gen)
+    x = torch.randn(3, k, generator=gen)
+    monkeypatch.setattr(Q, "_kernel_module", lambda: None)
+    assert not Q.kernel_supported(T.Q4_K)
+    wd = dequantize(w, T.Q4_K, (n, k))
+    assert torch.equal(Q.ggml_linear(x, w, T.Q4_K, k), F.linear(x, wd))
+    assert torch.equal(Q.ggml_dequantize(w, T.Q4_K, k), wd)
+    ids = torch.tensor([2, 0])
+    assert torch.equal(Q.ggml_embedding(w, T.Q4_K, k, ids), wd[ids])
+    w8, s = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n, generator=gen)
+    assert torch.equal(Q.int8_linear(x, w8, s), Q.int8_linear_ref(x, w8, s))
+    pk, sc, z = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, 4), torch.rand(n, 4)
+    assert torch.equal(Q.int4_linear(x, pk, sc, z, 64), Q.int4_linear_ref(x, pk, sc, z, 64))
+
+
+REAL_TENSORS = [
+    ("smollm2-135m", "blk.0.ffn_down.weight"),  # Q4_1
+    ("gemma3-270m", "blk.0.attn_output.weight"),  # Q4_K
+    ("gemma3-270m", "blk.0.ffn_down.weight"),  # Q6_K
+    ("gemma3-270m", "blk.0.attn_q.weight"),  # Q5_0
+    ("gemma3-270m", "blk.0.attn_v.weight"),  # Q8_0
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("model", "name"), REAL_TENSORS)
+def test_real_tensors(model, name):
+    from turbollm.formats.gguf_file import read_gguf
+
+    t = read_gguf(catalog_model_path(model, download=False)).tensors[name]
+    n, k = t.shape
+    w = torch.from_numpy(t.data.copy()).view(n, -1)
+    wd = dequantize(w, t.qtype, (n, k))
+    assert torch.equal(Q.ggml_dequantize(w, t.qtype, k), wd)
+    gen = torch.Generator().manual_seed(5)
+    for m in (1, 17):
+        x = torch.randn(m, k, generator=gen)
+        check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q8"), x, wd, t.qtype)
+        check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q8x2"), x, wd, t.qtype, levels=2)

@@ -1,0 +1,120 @@
+"""`turbollm eval ppl`: perplexity on WikiText-2 and KL divergence against the fp32 reference.
+
+The window layout, scoring rule and statistics are described in `turbollm/eval/perplexity.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
+QMATMUL_MODES = ("auto", "q8", "dequant")
+
+PPL_HELP = """\
+Perplexity of MODEL on WikiText-2 (raw, test split), in non-overlapping windows of --ctx tokens.
+The text is tokenized once; if the tokenizer adds a BOS by default, each window is BOS + ctx-1
+text tokens (the BOS is never scored), else ctx text tokens (the first is context only).
+Scoring (--score): 'all' scores every next-token prediction of a window (ctx-1 tokens);
+'half' only the second half, like llama.cpp's llama-perplexity (ctx-1-ctx//2 tokens).
+Against the reference (default: the same checkpoint with --reference none, i.e. its weights in
+fp32): mean / median / p99 / max of KL(P_ref || P_q) per token, top-1 agreement and delta-ppl,
+like llama.cpp's --kl-divergence. With --qmatmul, TURBOLLM_QMATMUL is set for the candidate:
+q8 is the path decode uses; in auto mode a prefill of many tokens takes the exact dequantize
+path, so measure the decode path's KL with --qmatmul q8."""
+
+
+def add_ppl(esub: argparse._SubParsersAction) -> None:
+    p = esub.add_parser("ppl", help="perplexity on WikiText-2 and KL divergence against the fp32 reference",
+                        description=PPL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="catalog name, GGUF file, HF folder or hub id")
+    p.add_argument("--quantization", default=None, help="quantization of the evaluated model (default: the "
+                                                        "checkpoint's own: 'gguf' block types for a GGUF file)")
+    p.add_argument("--reference", default="none", metavar="Q",
+                   help="quantization of the reference (default: none = the checkpoint's weights in fp32)")
+    p.add_argument("--reference-model", default=None, metavar="M",
+                   help="checkpoint of the reference (default: MODEL; e.g. the original of an exported GGUF)")
+    p.add_argument("--no-reference", action="store_true", help="perplexity only: no reference, no KL")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per window, BOS included (default 512)")
+    p.add_argument("--score", choices=list(SCORE_RULES), default="all", help="which positions of a window are scored")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on scored tokens (default: the whole text)")
+    p.add_argument("--batch", type=int, default=1, help="windows per forward pass (default 1)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw beside the repository)")
+    p.add_argument("--qmatmul", choices=list(QMATMUL_MODES), default=None,
+                   help="force the candidate's quantized-matmul path (sets TURBOLLM_QMATMUL)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the result to FILE")
+    p.set_defaults(func=run_ppl_cmd)
+
+
+def _check_same_tokens(cand, ref, text: str) -> None:
+    from turbollm.eval.perplexity import EvalError
+
+    sample = text[:20000]
+    if cand.tokenizer.encode(sample, add_special_tokens=False) != ref.tokenizer.encode(sample,
+                                                                                     add_special_tokens=False):
+        raise EvalError(f"{cand.resolved.name} and the reference {ref.resolved.name} tokenize the text differently")
+
+
+def eval_ppl(ns: argparse.Namespace) -> dict:
+    """Run `eval ppl` as the flags say; print and return the result record."""
+    import torch
+
+    from turbollm.benchmarks.report import print_block, write_json
+    from turbollm.eval.perplexity import (SCORING, EvalError, check_window_args, default_data_path, evaluate, load_text,
+                                          plan_windows, qmatmul_mode, tokenize_text)
+    from turbollm.hub.resolve import resolve_model
+    from turbollm.loader import load_model
+
+    check_window_args(ns.ctx, ns.score, ns.max_tokens, ns.batch)
+    if ns.threads is not None:
+        if ns.threads < 1:
+            raise EvalError(f"--threads must be >= 1, got {ns.threads}")
+        torch.set_num_threads(ns.threads)
+    data = ns.data or str(default_data_path())
+    text = load_text(data)
+    with qmatmul_mode(ns.qmatmul):
+        cand = load_model(ns.model, quantization=ns.quantization)
+    ids, bos = tokenize_text(cand.tokenizer, text)
+    plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
+
+    ref, note, ref_model = None, None, ns.reference_model or ns.model
+    if ns.no_reference:
+        note = "no reference (--no-reference)"
+    elif resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference:
+        note = "the candidate is the reference: KL 0 and top-1 100% by definition, not measured"
+    else:
+        t0 = time.perf_counter()
+        ref = load_model(ref_model, quantization=ns.reference)
+        print(f"reference {ref_model} ({ns.reference}) loaded in {time.perf_counter() - t0:.1f} s")
+        _check_same_tokens(cand, ref, text)
+    print(f"{plan.text_tokens} text tokens -> {len(plan.windows)} windows of {ns.ctx} "
+          f"({'BOS + ' if plan.bos else ''}text), {plan.tokens} scored ({ns.score})")
+    res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress)[0]
+    if ref is None and not ns.no_reference:
+        res.update(ref_ppl=res["ppl"], delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_median=0.0,
+                   kld_p99=0.0, kld_max=0.0, top1_agreement=100.0)
+    record = {
+        "model": ns.model, "model_path": str(cand.resolved.path), "quantization": cand.quantization,
+        "weights_storage": cand.weights_storage, "weight_MB": round(cand.weight_bytes / 1e6, 2),
+        "reference": None if ns.no_reference else ns.reference,
+        "reference_model": None if ns.no_reference else ref_model,
+        "reference_weight_MB": round(ref.weight_bytes / 1e6, 2) if ref is not None else None,
+        "reference_note": note, "qmatmul": ns.qmatmul,
+        "data": str(data), "ctx": ns.ctx, "batch": ns.batch, "bos_per_window": plan.bos,
+        "scoring": {"rule": ns.score, "description": SCORING[ns.score]}, "text_tokens": plan.text_tokens,
+        **res, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    print_block("eval ppl", {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()
+                             if k not in ("scoring", "data", "model_path")})
+    write_json(ns.json, record)
+    return record
+
+
+def run_ppl_cmd(ns: argparse.Namespace) -> int:
+    eval_ppl(ns)
+    return 0

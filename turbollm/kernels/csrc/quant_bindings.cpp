@@ -1,0 +1,234 @@
+// Python bindings of the quantized-matmul kernels (module turbollm_quant_kernels).
+//
+// The only translation unit that includes torch/extension.h. Argument checking lives here;
+// turbollm/kernels/quant.py picks the path (q8 or dequant) and keeps the PyTorch reference.
+// Weight formats: a GGML type id with uint8 w [N, row_bytes]; kInt8 (1000) with int8 w [N, K]
+// and scale [N]; kInt4 (1001) with packed uint8 [N, K / 2], scale / zero [N, K / group].
+#include <torch/extension.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <vector>
+
+#include "quant_common.h"
+
+namespace {
+
+using tq::TypeKernels;
+using tq::WView;
+
+const TypeKernels& kernels_for(int64_t qtype) {
+  const TypeKernels* k = tq::find_kernels((int)qtype);
+  TORCH_CHECK(k != nullptr, "turbollm_quant_kernels: no kernel for type ", qtype);
+  return *k;
+}
+
+WView make_view(const torch::Tensor& w, int64_t qtype, int64_t K, const c10::optional<torch::Tensor>& scale,
+                const c10::optional<torch::Tensor>& zero, int64_t group, const TypeKernels& k) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(K > 0 && K % k.block == 0, "K = ", K, " is not a multiple of the block size ", k.block);
+  WView v;
+  v.K = K;
+  v.data = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const int64_t N = w.size(0);
+  if (qtype == tq::kInt8) {
+    TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) == K, "int8 weight must be int8 [N, K]");
+    TORCH_CHECK(scale && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == N,
+                "int8 weight needs a float32 scale [N]");
+    v.row_bytes = K;
+    v.scale = scale->data_ptr<float>();
+  } else if (qtype == tq::kInt4) {
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == K, "int4 weight must be uint8 [N, K / 2]");
+    TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "int4 group must be a multiple of 32 dividing K");
+    for (const auto* t : {&scale, &zero}) {
+      TORCH_CHECK(*t && (*t)->scalar_type() == torch::kFloat32 && (*t)->is_contiguous() &&
+                      (*t)->numel() == N * (K / group), "int4 weight needs float32 scales / zeros [N, K / group]");
+    }
+    v.row_bytes = K / 2;
+    v.scale = scale->data_ptr<float>();
+    v.zero = zero->data_ptr<float>();
+    v.group = group;
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8, "GGML weight must be uint8 [N, row_bytes]");
+    v.row_bytes = K / k.block * k.bytes;
+    TORCH_CHECK(w.size(1) == v.row_bytes, "weight rows hold ", w.size(1), " bytes, type needs ", v.row_bytes);
+  }
+  return v;
+}
+
+torch::Tensor check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "x must be float32 [M, K]");
+  return x.contiguous();
+}
+
+torch::Tensor make_out(const c10::optional<torch::Tensor>& out, int64_t M, int64_t N) {
+  if (!out) return torch::empty({M, N}, torch::kFloat32);
+  TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->is_contiguous() && out->dim() == 2 &&
+                  out->size(0) == M && out->size(1) == N, "out must be a contiguous float32 [M, N] tensor");
+  return *out;
+}
+
+// The quantized activations, in buffers owned by the calling thread and reused between calls.
+// With levels = 2 each row of x becomes two rows (x and its residual, quant_common.h).
+struct ActScratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s32, s16, y2;
+  std::vector<int16_t> bs16;
+  tq::QAct quantize(const float* x, int64_t M, int64_t K, int64_t block, int64_t levels) {
+    auto grow = [](auto& v, int64_t n) { if ((int64_t)v.size() < n) v.resize(n); };
+    const int64_t R = M * levels;
+    grow(q, R * K);
+    grow(d, R * K / block);
+    tq::QActBuf buf;
+    buf.q = q.data();
+    buf.d = d.data();
+    if (block == 32) {
+      grow(s32, R * K / 32);
+      grow(s16, R * K / 16);
+      buf.s32 = s32.data();
+      buf.s16 = s16.data();
+    } else {
+      grow(bs16, R * K / 16);
+      buf.bs16 = bs16.data();
+    }
+    tq::quantize_activations(x, M, K, block, buf, levels == 2);
+    tq::QAct a;
+    a.q = buf.q; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16; a.bs16 = buf.bs16;
+    a.K = K;
+    a.block = block;
+    return a;
+  }
+};
+thread_local ActScratch act_scratch;
+
+// x [M, K] -> block 32: (q int8 [R, K], d, s32 [R, K/32], s16 [R, K/16]);
+//             block 256: (q, d [R, K/256], bs16 int16 [R, K/16]);
+// R = M rows, or 2M with levels = 2 (rows 2m: x, 2m + 1: its residual).
+std::vector<torch::Tensor> quantize_act(torch::Tensor x, int64_t block, int64_t levels) {
+  TORCH_CHECK(block == 32 || block == 256, "block must be 32 or 256");
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0, "x must be [M, K] with K a multiple of ", block);
+  x = check_x(x, x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), R = M * levels;
+  auto q = torch::empty({R, K}, torch::kInt8);
+  auto d = torch::empty({R, K / block});
+  tq::QActBuf buf;
+  buf.q = q.data_ptr<int8_t>();
+  buf.d = d.data_ptr<float>();
+  if (block == 32) {
+    auto s32 = torch::empty({R, K / 32}), s16 = torch::empty({R, K / 16});
+    buf.s32 = s32.data_ptr<float>();
+    buf.s16 = s16.data_ptr<float>();
+    tq::quantize_activations(x.data_ptr<float>(), M, K, block, buf, levels == 2);
+    return {q, d, s32, s16};
+  }
+  auto bs16 = torch::empty({R, K / 16}, torch::kInt16);
+  buf.bs16 = bs16.data_ptr<int16_t>();
+  tq::quantize_activations(x.data_ptr<float>(), M, K, block, buf, levels == 2);
+  return {q, d, bs16};
+}
+
+// levels = 1: int8 activations. levels = 2: x ~ d1 q1 + d2 q2, the two rows of a token side by
+// side in one kernel call (each weight block is still decoded and read once), summed at the end.
+torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K,
+                        c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> zero, int64_t group,
+                        c10::optional<torch::Tensor> out, int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  const TypeKernels& k = kernels_for(qtype);
+  TORCH_CHECK(k.dot[0] != nullptr, "no dot kernel for type ", qtype);
+  const WView v = make_view(w, qtype, K, scale, zero, group, k);
+  x = check_x(x, K);
+  const int64_t M = x.size(0), N = w.size(0);
+  torch::Tensor y = make_out(out, M, N);
+  if (M == 0 || N == 0) return y;
+  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels);
+  if (levels == 1) {
+    tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
+    return y;
+  }
+  std::vector<float>& y2 = act_scratch.y2;
+  if ((int64_t)y2.size() < 2 * M * N) y2.resize(2 * M * N);
+  tq::qgemm(k, v, N, a, 2 * M, y2.data());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r0 = y2.data() + 2 * m * N;
+    const float* r1 = r0 + N;
+    for (int64_t n = 0; n < N; ++n) yp[m * N + n] = r0[n] + r1[n];
+  }
+  return y;
+}
+
+// Each thread takes whole chunks of chunk_rows weight rows: decodes one into its own fp32
+// scratch (L2-sized) and multiplies it with a single-threaded sgemm (intra-op parallelism is
+// off inside at::parallel_for), so there is no fork/join per chunk.
+torch::Tensor linear_dequant(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K,
+                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> zero, int64_t group,
+                             c10::optional<torch::Tensor> out, int64_t chunk_rows) {
+  const TypeKernels& k = kernels_for(qtype);
+  const WView v = make_view(w, qtype, K, scale, zero, group, k);
+  x = check_x(x, K);
+  const int64_t M = x.size(0), N = w.size(0);
+  torch::Tensor y = make_out(out, M, N);
+  if (M == 0 || N == 0) return y;
+  const int64_t rc = std::max<int64_t>(1, std::min(chunk_rows, N));
+  const int64_t chunks = (N + rc - 1) / rc;
+  const at::ThreadLocalState caller_state;  // grad / inference mode of the caller, for the workers' mm
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < rc * K) scratch.resize(rc * K);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * rc, n1 = std::min(N, n0 + rc);
+      for (int64_t n = n0; n < n1; ++n) k.deq(v, n, scratch.data() + (n - n0) * K);
+      auto wc = torch::from_blob(scratch.data(), {n1 - n0, K}, torch::kFloat32);
+      auto yc = y.narrow(1, n0, n1 - n0);
+      at::mm_out(yc, x, wc.t());
+    }
+  });
+  return y;
+}
+
+torch::Tensor dequant(torch::Tensor w, int64_t qtype, int64_t K, c10::optional<torch::Tensor> scale,
+                      c10::optional<torch::Tensor> zero, int64_t group, c10::optional<torch::Tensor> out) {
+  const TypeKernels& k = kernels_for(qtype);
+  const WView v = make_view(w, qtype, K, scale, zero, group, k);
+  const int64_t N = w.size(0);
+  torch::Tensor y = make_out(out, N, K);
+  if (N) tq::dequant_rows(k, v, 0, N, y.data_ptr<float>());
+  return y;
+}
+
+torch::Tensor embedding(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor ids) {
+  const TypeKernels& k = kernels_for(qtype);
+  const WView v = make_view(w, qtype, K, c10::nullopt, c10::nullopt, 0, k);
+  auto idx = ids.to(torch::kInt64).contiguous().view({-1});
+  const int64_t count = idx.numel(), N = w.size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  std::vector<int64_t> rows(ip, ip + count);
+  for (auto& r : rows) {
+    TORCH_CHECK(r >= -N && r < N, "row index ", r, " out of range for a table of ", N, " rows");
+    if (r < 0) r += N;
+  }
+  auto y = torch::empty({count, K}, torch::kFloat32);
+  if (count) tq::gather_rows(k, v, rows.data(), count, y.data_ptr<float>());
+  return y;
+}
+
+int64_t act_block(int64_t qtype) { return kernels_for(qtype).act_block; }
+
+bool supported(int64_t qtype) {
+  const TypeKernels* k = tq::find_kernels((int)qtype);
+  return k != nullptr && k->dot[0] != nullptr;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_act", &quantize_act, "x [M, K] -> quantized activations in blocks of 32 or 256");
+  m.def("act_block", &act_block, "activation block size (32 or 256) of a type's dot kernels");
+  m.def("linear_q8", &linear_q8, "x @ W.T with int8 activations (1 or 2 levels) and integer dot products");
+  m.def("linear_dequant", &linear_dequant, "x @ W.T by row chunks: dequantize to fp32, then mm");
+  m.def("dequant", &dequant, "all rows of a weight as float32 [N, K]");
+  m.def("embedding", &embedding, "rows ids of a weight table as float32 [len(ids), K]");
+  m.def("supported", &supported, "whether a type has kernels");
+}

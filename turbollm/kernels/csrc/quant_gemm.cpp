@@ -1,0 +1,98 @@
+// The kernel table and the threaded drivers: Q8-activation GEMV/GEMM over the per-type
+// micro-kernels, row dequantization and the embedding gather.
+//
+// Threads: at::parallel_for (torch's pool and thread count) over output rows; each thread
+// streams its contiguous slice of the weight once per token chunk.
+//
+#include "quant_common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace tq {
+
+int table_index(int qtype) {
+  switch (qtype) {
+    case kQ4_0: return 0;
+    case kQ4_1: return 1;
+    case kQ5_0: return 2;
+    case kQ5_1: return 3;
+    case kQ8_0: return 4;
+    case kQ2_K: return 5;
+    case kQ3_K: return 6;
+    case kQ4_K: return 7;
+    case kQ5_K: return 8;
+    case kQ6_K: return 9;
+    case kInt8: return 10;
+    case kInt4: return 11;
+    default: return -1;
+  }
+}
+
+const TypeKernels* find_kernels(int qtype) {
+  static const TypeKernels* table = [] {
+    static TypeKernels t[kTableSize];
+    register_legacy(t);
+    register_kquants(t);
+    register_kquants_low(t);
+    register_intq(t);
+    return t;
+  }();
+  const int i = table_index(qtype);
+  if (i < 0 || !table[i].deq) return nullptr;
+  return &table[i];
+}
+
+// Rows per parallel task: enough work per task to hide the fork/join.
+static int64_t row_grain(int64_t K, int64_t M) {
+  const int64_t work = std::max<int64_t>(1, K * std::min<int64_t>(M, 16));
+  return std::max<int64_t>(1, (int64_t)(1 << 16) / work);
+}
+
+// Cache tiling of the many-token case: a tile of weight rows (kRowTileBytes, in L2) meets a
+// chunk of kTokenChunk tokens (their int8 activations, in L2 too); within it, each group of 4
+// tokens (4 * K bytes, in L1) runs over every row of the tile.
+constexpr int64_t kRowTileBytes = 96 << 10;
+constexpr int64_t kTokenChunk = 64;
+
+void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out) {
+  const int64_t rt = std::max<int64_t>(1, kRowTileBytes / std::max<int64_t>(1, w.row_bytes));
+  at::parallel_for(0, N, row_grain(w.K, M), [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = n0; r0 < n1; r0 += rt) {
+      const int64_t r1 = std::min(n1, r0 + rt);
+      for (int64_t mc = 0; mc < M; mc += kTokenChunk) {
+        const int64_t mend = std::min(M, mc + kTokenChunk);
+        for (int64_t m = mc; m < mend; m += kMaxT) {
+          const int64_t t = std::min<int64_t>(kMaxT, mend - m);
+          const DotFn dot = k.dot[t - 1];
+          for (int64_t n = r0; n < r1; ++n) dot(w, n, a, m, out + m * N + n, N);
+        }
+      }
+    }
+  });
+}
+
+void quantize_activations(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out, bool residual) {
+  if (M * K < (1 << 16)) {
+    quantize_rows(x, K, block, 0, M, out, residual);
+    return;
+  }
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(x, K, block, m0, m1, out, residual);
+  });
+}
+
+void dequant_rows(const TypeKernels& k, const WView& w, int64_t n0, int64_t n1, float* out) {
+  at::parallel_for(n0, n1, std::max<int64_t>(1, (1 << 15) / w.K), [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) k.deq(w, n, out + (n - n0) * w.K);
+  });
+}
+
+void gather_rows(const TypeKernels& k, const WView& w, const int64_t* ids, int64_t count, float* out) {
+  at::parallel_for(0, count, std::max<int64_t>(1, (1 << 15) / w.K), [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) k.deq(w, ids[i], out + i * w.K);
+  });
+}
+
+}  // namespace tq

@@ -1,0 +1,132 @@
+"""The "int4" linear methods: group-wise asymmetric 4-bit weights (and 3-bit codes in the same box).
+
+Resident per layer (the layout of `kernels.quant.int4_linear`):
+- ``weight`` uint8 ``[N, K/2]``: two codes per byte, low nibble = even column;
+- ``weight_scales``, ``weight_zeros`` float32 ``[N, K/g]``: ``W = (q - zero) * scale`` per group;
+- ``weight_perm`` int64 ``[K]`` only for act-order GPTQ checkpoints: storage column j is input
+  column ``perm[j]``, so ``y = x[:, perm] @ W_storage.T`` (the input is permuted before the
+  kernel; the groups stay contiguous in storage order).
+
+Storage per weight is 4 bits + 64 bits per group of g (g = 128: 4.5 bits/weight). 3-bit codes
+(0..7) are stored unpacked in the same 4-bit container, so "int3" saves no memory over "int4";
+it exists to measure what a 3-bit grid costs in quality.
+
+Names: "int4" (g = 128), "int4-g32", "int4-g64", "int4-g128", and "int3", "int3-g32", ...
+quantize at load by round-to-nearest (`group_quant.rtn_quantize`), after the float32 weight is
+loaded (peak memory while loading: the float32 model). GPTQ and AWQ checkpoints build the
+layer in this layout directly (`Int4LinearMethod(prequantized=True, ...)`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbollm.errors import InvalidRequestError, WeightLoadError
+from turbollm.kernels.quant import int4_linear
+from turbollm.quantization.base import LinearMethod, register_linear_method
+from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
+from turbollm.quantization.packing import pack_nibbles
+
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 128
+
+
+def set_int4_weight(layer: nn.Module, qw: QuantizedWeight) -> None:
+    """Replace the layer's weight by the int4 layout of `qw` (codes of at most 4 bits)."""
+    if qw.bits > 4:
+        raise ValueError(f"int4 layout holds codes of at most 4 bits, got {qw.bits}")
+    layer.weight = nn.Parameter(pack_nibbles(qw.q), requires_grad=False)
+    layer.weight_scales = nn.Parameter(qw.scales.float().contiguous(), requires_grad=False)
+    layer.weight_zeros = nn.Parameter(qw.zeros.float().contiguous(), requires_grad=False)
+    if qw.perm is not None:
+        layer.weight_perm = nn.Parameter(qw.perm.to(torch.int64).contiguous(), requires_grad=False)
+    layer.int4_group_size = qw.group_size
+
+
+class Int4LinearMethod(LinearMethod):
+    """Group-wise int4 weights: quantized at load by round-to-nearest, or read from a checkpoint."""
+
+    bits = 4
+    group_size = DEFAULT_GROUP_SIZE
+
+    def __init__(self, bits: int | None = None, group_size: int | None = None, prequantized: bool = False,
+                 act_order: bool = False):
+        self.bits = bits or type(self).bits
+        self.group_size = group_size or type(self).group_size
+        self.prequantized, self.act_order = prequantized, act_order
+        if self.bits not in (2, 3, 4):
+            raise InvalidRequestError(f"int4 layout: bits must be 2, 3 or 4, got {self.bits}")
+
+    def _group(self, in_features: int) -> int:
+        g = self.group_size if self.group_size > 0 else in_features
+        if in_features % g or g % 2:
+            fits = [str(s) for s in GROUP_SIZES if in_features % s == 0]
+            raise InvalidRequestError(f"int{self.bits}: group size {g} does not divide a layer's {in_features} "
+                                      f"input features (group sizes that do: {', '.join(fits) or 'none'})")
+        return g
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        g = self._group(in_features)
+        layer.int4_group_size = g
+        if not self.prequantized:
+            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+            return
+        layer.weight = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8),
+                                    requires_grad=False)
+        layer.weight_scales = nn.Parameter(torch.zeros(out_features, in_features // g), requires_grad=False)
+        layer.weight_zeros = nn.Parameter(torch.zeros(out_features, in_features // g), requires_grad=False)
+        layer.weight_scales.weight_loader = layer.weight_loader
+        layer.weight_zeros.weight_loader = layer.weight_loader
+        if self.act_order:
+            layer.weight_perm = nn.Parameter(torch.full((in_features,), -1, dtype=torch.int64), requires_grad=False)
+            layer.weight_perm.weight_loader = _perm_loader
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight.dtype == torch.uint8:
+            perm = getattr(layer, "weight_perm", None)
+            if perm is not None and bool((perm < 0).any()):
+                raise WeightLoadError("act-order permutation (g_idx) was not loaded")
+            return
+        qw = rtn_quantize(layer.weight.data, QuantGrid(self.bits), layer.int4_group_size)
+        set_int4_weight(layer, qw)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, layer.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        perm = getattr(layer, "weight_perm", None)
+        if perm is not None:
+            x2 = x2.index_select(1, perm)
+        y = int4_linear(x2, layer.weight, layer.weight_scales, layer.weight_zeros, layer.int4_group_size)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def _perm_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Load the act-order permutation; the shards of a fused layer must all bring the same one."""
+    loaded = loaded.to(torch.int64)
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise WeightLoadError(f"act-order permutation: checkpoint shape {tuple(loaded.shape)} does not match the "
+                              f"model's {tuple(param.shape)}")
+    if bool((param.data < 0).all()):
+        param.data.copy_(loaded)
+    elif not torch.equal(param.data, loaded):
+        raise WeightLoadError(f"shard {shard_id}: its act-order permutation (g_idx) differs from the other shards "
+                              f"of the fused layer, which share one input; quantize them with one Hessian")
+
+
+def _register_rtn_variants() -> None:
+    """Register "int4", "int4-g32", ..., "int3", "int3-g32", ... (round-to-nearest at load)."""
+    for bits in (4, 3):
+        base = type(f"Int{bits}LinearMethod", (Int4LinearMethod,), {"bits": bits, "__doc__":
+                    f"Group-wise {bits}-bit round-to-nearest at load (g = {DEFAULT_GROUP_SIZE}), int4 layout."})
+        register_linear_method(f"int{bits}")(base)
+        for g in GROUP_SIZES:
+            cls = type(f"Int{bits}G{g}LinearMethod", (base,), {"group_size": g, "__doc__":
+                       f"Group-wise {bits}-bit round-to-nearest at load, g = {g}, int4 layout."})
+            register_linear_method(f"int{bits}-g{g}")(cls)
+
+
+_register_rtn_variants()

@@ -1,0 +1,61 @@
+"""The "int8" linear method: weight-only int8, one symmetric scale per output channel.
+
+Resident per layer: ``weight`` int8 ``[N, K]`` and ``weight_scale`` float32 ``[N]``
+(8 bits per weight + 32 bits per row); ``W = weight * weight_scale[:, None]``. The product
+goes through `kernels.quant.int8_linear`.
+
+Two ways in:
+- *quantized at load* (``quantization="int8"``): the layer is created with a dense float32
+  weight that the loaders fill (a GGUF file is dequantized to float32 on the way); once the
+  whole checkpoint is in, `process_weights_after_loading` rounds it to int8 and drops the
+  float32 matrix. Peak memory while loading is therefore the float32 model.
+- *from a checkpoint* (an 8-bit symmetric per-channel GPTQ folder, e.g. from
+  ``turbollm quantize --method int8``): the layer is created in the int8 layout directly and
+  the checkpoint converter (`gptq_method.py`) hands it int8 rows and scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbollm.kernels.quant import int8_linear
+from turbollm.quantization.base import LinearMethod, register_linear_method
+from turbollm.quantization.group_quant import int8_per_channel
+
+
+def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Replace the layer's weight by int8 codes ``[N, K]`` and float32 row scales ``[N]``."""
+    layer.weight = nn.Parameter(q.to(torch.int8).contiguous(), requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
+
+
+@register_linear_method("int8")
+class Int8LinearMethod(LinearMethod):
+    """Per-output-channel symmetric int8 weights (quantized at load, or read from a checkpoint)."""
+
+    def __init__(self, prequantized: bool = False):
+        self.prequantized = prequantized
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        if self.prequantized:
+            layer.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False)
+            layer.weight_scale = nn.Parameter(torch.zeros(out_features), requires_grad=False)
+            layer.weight_scale.weight_loader = layer.weight_loader
+        else:
+            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight.dtype == torch.int8:
+            return  # already int8 (from a checkpoint, or processed before)
+        q, scale = int8_per_channel(layer.weight.data)
+        set_int8_weight(layer, q, scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, layer.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        y = int8_linear(x2, layer.weight, layer.weight_scale)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], layer.out_features)

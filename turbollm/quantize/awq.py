@@ -1,0 +1,211 @@
+"""AWQ (Lin et al. 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration"), written from the paper.
+
+Weights that meet large activations matter most. AWQ protects them without mixed precision:
+for a linear ``y = W x`` it scales input channel c of W up by ``s_c`` and the activation
+down by ``s_c`` (``y = (W·diag(s)) (diag(s)⁻¹ x)``), which is exact in float but shrinks the
+relative rounding error of the scaled-up columns. Per linear group:
+
+- ``s = mean|x|^α`` (per input channel, over calibration tokens), normalized by
+  ``sqrt(max·min)``; α on a grid of `N_GRID` = 20 points in [0, 1) (α = 0 is plain RTN), the
+  one minimizing the output error ``||X (Q(W·s)/s - W)ᵀ||²`` on calibration inputs X.
+- ``diag(s)⁻¹`` is folded into whatever produces x, so inference costs nothing:
+  attention input → the preceding RMSNorm's weight (Q/K/V share it), the MLP input → its
+  RMSNorm (gate/up share it), o_proj's input → the rows of V (attention is linear in V;
+  with GQA one V channel feeds `group` query heads, so their scales are tied and their
+  statistics averaged), down_proj's input → the rows of up (``act(gate) * up`` is linear in up).
+  Gemma's ``x·(1+w)`` norms hold the effective ``1+w`` in our model, so dividing it is exact;
+  the exporter subtracts the one again.
+- Weight clipping: per (row, group), the range is shrunk by r ∈ {1, 0.95, …, 0.55}, keeping the
+  r of least output error of that group (block-diagonal part of XᵀX). Q and K rows are not
+  clipped (attention logits are sensitive to them), as in the paper's released code.
+
+Statistics: ``mean|x|`` over every calibration token for the norm-fed linears; the error
+terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from whole
+sequences spread over the calibration set (`BranchAlgorithm.stage2_batches`), which keeps the
+20-point searches affordable on a CPU. Errors use ``XᵀX`` when it is smaller than X.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight
+from turbollm.quantize.layer_runner import Branch, CalibrationRunner
+from turbollm.quantize.pipeline import BranchAlgorithm
+
+N_GRID = 20
+CLIP_STEPS = 10  # shrink ratios 1 - i / N_GRID for i < CLIP_STEPS: 1.0 ... 0.55
+SEARCH_TOKENS = 2048
+
+
+class ActStats:
+    """mean |x| per input channel over all observed tokens, plus a sample of token rows."""
+
+    def __init__(self, k: int, quota: int, generator: torch.Generator):
+        self.abs_sum = torch.zeros(k, dtype=torch.float64)
+        self.count = 0
+        self.quota, self.generator = quota, generator
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor, keep: bool) -> None:
+        x = x.reshape(-1, self.abs_sum.numel()).float()
+        self.abs_sum += x.abs().sum(0, dtype=torch.float64)
+        self.count += x.shape[0]
+        if keep:
+            idx = torch.randperm(x.shape[0], generator=self.generator)[:self.quota]
+            self.rows.append(x[idx.sort().values].clone())
+
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(1, self.count)).float()
+
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+class OutputLoss:
+    """``||X Δᵀ||²`` for weight changes ``Δ [N, K]``, X the sampled inputs ``[T, K]``."""
+
+    def __init__(self, x: torch.Tensor, h: torch.Tensor | None = None):
+        self.k = x.shape[1]
+        self.x = x
+        self.h = h if h is not None else (x.t() @ x if self.k <= x.shape[0] else None)
+
+    def scaled(self, s: torch.Tensor) -> "OutputLoss":
+        """The loss for inputs ``x / s`` (after folding s)."""
+        h = None if self.h is None else self.h / s[:, None] / s[None, :]
+        return OutputLoss(self.x / s, h)
+
+    def total(self, delta: torch.Tensor) -> float:
+        if self.h is not None:
+            return float(((delta @ self.h) * delta).sum())
+        return float((self.x @ delta.t()).pow(2).sum())
+
+    def per_group(self, delta: torch.Tensor, g: int) -> torch.Tensor:
+        """``[N, K/g]``: the error of each (row, group) alone (block-diagonal part of XᵀX)."""
+        blocks = self._blocks(g)
+        d = delta.view(delta.shape[0], -1, g)
+        return torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
+
+    def _blocks(self, g: int) -> torch.Tensor:
+        cached = getattr(self, "_block_cache", None)
+        if cached is None or cached.shape[-1] != g:
+            xg = self.x.view(self.x.shape[0], -1, g).transpose(0, 1)  # [G, T, g]
+            cached = self._block_cache = xg.transpose(1, 2) @ xg
+        return cached
+
+
+def fake_quantize(w: torch.Tensor, grid: QuantGrid, g: int, ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """RTN round trip of ``w [N, K]``, optionally with each (row, group) range shrunk by `ratio`."""
+    wg = w.view(w.shape[0], -1, g)
+    scale, zero = grid.params(wg if ratio is None else wg * ratio[..., None])
+    return grid.fake_quantize(wg, scale[..., None], zero[..., None]).view_as(w)
+
+
+def quantize_with_ratio(w: torch.Tensor, grid: QuantGrid, g: int, ratio: torch.Tensor) -> QuantizedWeight:
+    wg = w.view(w.shape[0], -1, g)
+    scale, zero = grid.params(wg * ratio[..., None])
+    q = grid.quantize(wg, scale[..., None], zero[..., None]).reshape(w.shape).to(torch.uint8)
+    return QuantizedWeight(q, scale, zero, grid.bits, g, symmetric=grid.symmetric)
+
+
+def search_scale(w: torch.Tensor, x_mean: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int,
+                 expand=lambda s: s) -> tuple[torch.Tensor, float]:
+    """The per-channel scale ``mean|x|^α`` (α on the grid) of least output error, and that α."""
+    base = x_mean.clamp(min=1e-4)
+    best = (math.inf, torch.ones_like(base), 0.0)
+    for i in range(N_GRID):
+        alpha = i / N_GRID
+        s = base.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        cols = expand(s)
+        err = loss.total(fake_quantize(w * cols, grid, g) / cols - w)
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def search_clip(w: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int, rows: slice | None = None) -> torch.Tensor:
+    """Shrink ratio ``[N, K/g]`` of least error per (row, group); 1 outside `rows`."""
+    n = w.shape[0]
+    best_err = torch.full((n, w.shape[1] // g), math.inf)
+    best_ratio = torch.ones_like(best_err)
+    for i in range(CLIP_STEPS):
+        r = torch.full_like(best_err, 1.0 - i / N_GRID)
+        err = loss.per_group(fake_quantize(w, grid, g, r) - w, g)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, r, best_ratio)
+    if rows is not None:
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[rows] = False
+        best_ratio[keep] = 1.0
+    return best_ratio
+
+
+class AWQAlgorithm(BranchAlgorithm):
+    """AWQ in the layer pipeline: scales searched and folded per branch, then clipping, then RTN."""
+
+    def __init__(self, grid: QuantGrid, group_size: int, search_tokens: int = SEARCH_TOKENS, seed: int = 0):
+        super().__init__()
+        self.grid, self.group_size, self.search_tokens = grid, group_size, search_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self.kept: list[int] = []
+        self.first_stats: ActStats | None = None
+        self.second_stats: ActStats | None = None
+        self.alphas: dict[str, tuple[float, float]] = {}
+
+    def prepare(self, runner: CalibrationRunner) -> None:
+        per_batch = runner.batches[0][0].stop - runner.batches[0][0].start
+        self.kept = runner.spread(max(1, math.ceil(self.search_tokens / per_batch)))
+
+    def stage2_batches(self, runner: CalibrationRunner) -> list[int]:
+        return self.kept
+
+    def _quota(self) -> int:
+        return max(1, math.ceil(self.search_tokens / len(self.kept)))
+
+    def observe_first(self, br: Branch, h: torch.Tensor, index: int) -> None:
+        if self.first_stats is None:
+            self.first_stats = ActStats(br.first.in_features, self._quota(), self.generator)
+        self.first_stats.add(h, keep=index in self.kept)
+
+    def observe_second(self, br: Branch, z: torch.Tensor, index: int) -> None:
+        if self.second_stats is None:
+            self.second_stats = ActStats(br.second.in_features, self._quota(), self.generator)
+        self.second_stats.add(z, keep=True)
+
+    @torch.no_grad()
+    def second_ready(self, br: Branch) -> None:
+        first_stats, second_stats = self.first_stats, self.second_stats
+        self.first_stats = self.second_stats = None
+        g, grid = self.group_size, self.grid
+        w1, w2 = br.first.weight.data, br.second.weight.data
+        loss1, loss2 = OutputLoss(first_stats.sample()), OutputLoss(second_stats.sample())
+        s1, a1 = search_scale(w1, first_stats.mean_abs(), loss1, grid, g)
+        s2, a2 = search_scale(w2, br.reduce(second_stats.mean_abs()), loss2, grid, g, br.expand)
+        self.alphas[self.name(br.first)] = (a1, a2)
+        fold_scales(br, s1, s2)
+        cols2 = br.expand(s2)
+        r1 = search_clip(w1, loss1.scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
+        r2 = search_clip(w2, loss2.scaled(cols2), grid, g)
+        self.store(br.first, quantize_with_ratio(w1, grid, g, r1))
+        self.store(br.second, quantize_with_ratio(w2, grid, g, r2))
+
+
+def fold_scales(br: Branch, s1: torch.Tensor, s2: torch.Tensor) -> None:
+    """Fold AWQ's scales into the branch; the float function is unchanged (up to rounding).
+
+    `s1` scales `first`'s input columns (divided out of the norm weight); `s2` scales the
+    feeder rows' channels as `second` reads them (feeder rows and bias divided by `s2`,
+    `second`'s input columns multiplied by ``expand(s2)``).
+    """
+    br.norm.weight.data.div_(s1)
+    br.first.weight.data.mul_(s1[None, :])
+    br.first.weight.data[br.feeder].div_(s2[:, None])
+    bias = getattr(br.first, "bias", None)
+    if bias is not None:
+        bias.data[br.feeder].div_(s2)
+    br.second.weight.data.mul_(br.expand(s2)[None, :])
