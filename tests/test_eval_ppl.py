@@ -150,17 +150,27 @@ def test_cli_bad_input_fails_before_loading(tmp_path, capsys):
 
 
 def test_qmatmul_mode_sets_and_restores(monkeypatch):
+    """The flag switches the kernels' path (read once at import, so the variable alone would not)."""
+    from turbollm.kernels import quant
+
     monkeypatch.delenv(QMATMUL_ENV, raising=False)
+    quant.set_default_path(None)
     with qmatmul_mode("q8"):
         assert os.environ[QMATMUL_ENV] == "q8"
+        assert quant._resolve_path(512, None) == "q8"
     assert QMATMUL_ENV not in os.environ
+    assert quant._resolve_path(1, None) == "q8x2" and quant._resolve_path(512, None) == "dequant"  # auto
     monkeypatch.setenv(QMATMUL_ENV, "dequant")
-    with qmatmul_mode("auto"):
-        assert os.environ[QMATMUL_ENV] == "auto"
+    with qmatmul_mode("q8x2"):
+        assert os.environ[QMATMUL_ENV] == "q8x2"
+        assert quant._resolve_path(512, None) == "q8x2"
     assert os.environ[QMATMUL_ENV] == "dequant"
+    assert quant._resolve_path(1, None) == "dequant"
     with pytest.raises(EvalError, match="unknown --qmatmul"):
-        with qmatmul_mode("fast"):
+        with qmatmul_mode("int2"):
             pass
+    monkeypatch.delenv(QMATMUL_ENV)
+    quant.set_default_path(None)
 
 
 # ----------------------------------------------------------------------------- statistics

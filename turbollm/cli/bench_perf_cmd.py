@@ -292,12 +292,15 @@ def bench_latency(ns: argparse.Namespace) -> dict:
 
 
 def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict) -> dict:
-    """The same latency workload through llama.cpp on the same GGUF file; print and return it with the ratios."""
+    """The same latency workload through llama.cpp on the same GGUF file; print and return it with the ratios.
+
+    Its physics use our count of the bytes a decode step reads (`phys`): llama.cpp reads the same
+    tensors (an untied embedding table only by the rows of its tokens)."""
     import torch
 
     from turbollm.benchmarks import llamacpp_backend as lc
     from turbollm.benchmarks.datasets import random_prompt_ids
-    from turbollm.benchmarks.physics import compute_figures
+    from turbollm.benchmarks.physics import bandwidth_figures, compute_figures
     from turbollm.benchmarks.report import print_block
     from turbollm.hub.resolve import CheckpointFormat
 
@@ -315,9 +318,7 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     ttft_s = res["ttft_ms_mean"] / 1000 * res["iterations"]
     res.pop("greedy_tokens")
     res.update(version=lc.llamacpp_version(), threads=threads, resident_weight_MB=round(file_bytes / 1e6, 1),
-               physics={"decode": {"weights_GBps": round(file_bytes * res["decode_steps"] / steps_s / 1e9, 2),
-                                   "pct_of_bandwidth": round(100 * file_bytes * res["decode_steps"] / steps_s / 1e9
-                                                             / ceilings.bandwidth_gbs, 1)},
+               physics={"decode": {**bandwidth_figures(phys, res["decode_steps"], steps_s, ceilings)},
                         "prefill": compute_figures(phys, ns.input_len * res["iterations"], res["iterations"],
                                                    ttft_s, ceilings)})
     print_block("llama.cpp (same GGUF, prompts and threads)", res)

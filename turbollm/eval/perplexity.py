@@ -47,7 +47,7 @@ SCORING = {
             "like llama.cpp's llama-perplexity",
 }
 QMATMUL_ENV = "TURBOLLM_QMATMUL"
-QMATMUL_MODES = ("auto", "q8", "dequant")
+QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "dequant")  # turbollm.kernels.quant's paths
 ROW_CHUNK = 128  # rows of logits turned into float64 log-probs at a time (bounds memory on big vocabularies)
 
 
@@ -137,14 +137,18 @@ def tokenize_text(tokenizer, text: str) -> tuple[list[int], int | None]:
 
 @contextmanager
 def qmatmul_mode(mode: str | None) -> Iterator[None]:
-    """Set TURBOLLM_QMATMUL (auto|q8|dequant) for the duration; None leaves the environment alone."""
+    """Force the quantized-matmul path (see turbollm.kernels.quant) for the duration, and
+    TURBOLLM_QMATMUL with it; None leaves both alone."""
     if mode is None:
         yield
         return
     if mode not in QMATMUL_MODES:
         raise EvalError(f"unknown --qmatmul {mode!r}; choose from {', '.join(QMATMUL_MODES)}")
+    from turbollm.kernels import quant
+
     old = os.environ.get(QMATMUL_ENV)
     os.environ[QMATMUL_ENV] = mode
+    quant.set_default_path(mode)  # the kernels read the variable once, at import
     try:
         yield
     finally:
@@ -152,6 +156,7 @@ def qmatmul_mode(mode: str | None) -> Iterator[None]:
             os.environ.pop(QMATMUL_ENV, None)
         else:
             os.environ[QMATMUL_ENV] = old
+        quant.set_default_path(None)
 
 
 @torch.inference_mode()
