@@ -20,27 +20,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from turbollm.formats.ggml_types import dequantize
 from turbollm.kernels.quant import ggml_linear, kernel_supported
+from turbollm.kernels.random_weights import random_weight
 
 SHAPES = {"1536x8960": (1536, 8960), "8960x1536": (8960, 1536), "576x1536": (576, 1536)}
-F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 CACHE_BYTES = 256 << 20  # bytes of weight copies used in turn when cold (8x the 32 MiB L3)
-
-
-def make_weight(qtype: T, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random blocks: gguf-py's quantizer where it has one, else random bytes with sane fp16 scales."""
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    if qtype in F16_FIELDS:
-        raw = torch.randint(0, 256, (n * k // bs, ts), dtype=torch.uint8, generator=gen)
-        for off in F16_FIELDS[qtype]:
-            v = (torch.rand(raw.shape[0], generator=gen) * 0.01 + 0.001).half()
-            raw[:, off : off + 2] = v.view(torch.uint8).view(-1, 2)
-        return raw.view(n, -1)
-    data = torch.randn(n, k, generator=gen).numpy()
-    return torch.from_numpy(quants.quantize(data, qtype)).view(torch.uint8).view(n, -1)
 
 
 def bench(fns: dict, reps: int, stat=statistics.median) -> dict:
@@ -92,7 +79,7 @@ def main() -> None:
             k, n = SHAPES[sname]
             if k % GGML_QUANT_SIZES[qtype][0]:
                 continue  # rows are not whole blocks of this type
-            w0 = make_weight(qtype, n, k, gen)
+            w0 = random_weight(qtype, n, k, gen)
             nbytes = w0.numel()
             copies = 1 if args.hot else max(1, -(-CACHE_BYTES // nbytes))
             ws = [w0] + [w0.clone() for _ in range(copies - 1)]

@@ -52,6 +52,7 @@ def _randomize(model: torch.nn.Module, gemma: bool) -> None:
 
 
 def save_tokenizer(transformers, folder: Path) -> None:
+    """The tiny WordLevel tokenizer (``w4 .. w383``) every tiny test checkpoint uses."""
     from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}

@@ -14,35 +14,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from turbollm.formats.ggml_types import dequantize, dequantize_rows
 from turbollm.kernels import get_quant_kernels
 from turbollm.kernels import quant as Q
+from turbollm.kernels.random_weights import random_weight
 from conftest import catalog_model_path
 
 GGML_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 MS = [1, 3, 17, 70]
 Q8_REF_RTOL = 1e-5  # q8 kernel vs q8_linear_ref, relative to max |ref|
 Q8_EXACT_TOL = 2e-2  # q8 kernel vs exact fp32 product, relative to max |exact|
 Q8X2_EXACT_TOL = 3e-4  # q8x2 (two int8 levels): ~100x smaller activation error
 
 needs_kernels = pytest.mark.skipif(get_quant_kernels() is None, reason="quantized-matmul kernels not built")
-
-
-def random_weight(qtype: T, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Raw blocks ``[n, row_bytes]``: gguf-py's quantizer where it has one, else random bytes
-    with small finite fp16 scales."""
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    if qtype in F16_FIELDS:
-        raw = torch.randint(0, 256, (n * k // bs, ts), dtype=torch.uint8, generator=gen)
-        for off in F16_FIELDS[qtype]:
-            v = (torch.rand(raw.shape[0], generator=gen) * 0.01 + 0.001).half()
-            raw[:, off : off + 2] = v.view(torch.uint8).view(-1, 2)
-        return raw.view(n, -1)
-    data = torch.randn(n, k, generator=gen).numpy()
-    return torch.from_numpy(quants.quantize(data, qtype)).view(torch.uint8).view(n, -1)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -28,6 +28,7 @@ from turbollm import LLM, SamplingParams  # noqa: E402
 from turbollm.errors import ModelFormatError, UnsupportedArchitectureError, WeightLoadError  # noqa: E402
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
+from quant_tiny import save_tokenizer  # noqa: E402
 
 VOCAB = 384
 SEQ_LEN = 40
@@ -75,25 +76,13 @@ def _randomize(model: torch.nn.Module, gemma: bool) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def _save_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
-    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                               unk_token="<unk>", pad_token="<pad>")
-    tok.save_pretrained(str(folder))
-
-
 def _build(arch: str, folder: Path):
     torch.manual_seed(SEED)
     hf = getattr(transformers, MODEL_CLASSES[arch])(_config(arch))
     _randomize(hf, gemma=arch == "gemma3")
     hf = hf.float().eval()
     hf.save_pretrained(str(folder))
-    _save_tokenizer(folder)
+    save_tokenizer(transformers, folder)
     assert (folder / "tokenizer.json").is_file() and any(folder.glob("*.safetensors"))
     return hf
 

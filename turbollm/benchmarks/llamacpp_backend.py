@@ -45,24 +45,22 @@ def _greedy(llm) -> int:
 
 def run_llamacpp_latency(llm, prompts: list[list[int]], output_len: int, warmup: int = 1) -> dict:
     """Prefill and greedy decode timings for each prompt (the first `warmup` are not counted)."""
-    ttfts, steps, agree_tokens = [], [], []
+    ttfts, steps = [], []
     for i, ids in enumerate(prompts):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
         tok = _greedy(llm)
         ttft = time.perf_counter() - t0
-        out, it_steps = [tok], []
+        it_steps = []
         for _ in range(output_len - 1):
             ts = time.perf_counter()
             llm.eval([tok])
             tok = _greedy(llm)
             it_steps.append(time.perf_counter() - ts)
-            out.append(tok)
         if i >= warmup:
             ttfts.append(ttft)
             steps += it_steps
-            agree_tokens.append(out)
     if not ttfts:
         raise BenchmarkError("no measured llama.cpp iterations (num_iters must be >= 1)")
     ttft = statistics.mean(ttfts)
@@ -76,5 +74,4 @@ def run_llamacpp_latency(llm, prompts: list[list[int]], output_len: int, warmup:
         "decode_ms_per_step_p50": round(1000 * percentile(steps, 50), 3),
         "decode_ms_per_step_p90": round(1000 * percentile(steps, 90), 3),
         "decode_tok_per_s": round(len(steps) / sum(steps), 2),
-        "greedy_tokens": agree_tokens,
     }

@@ -316,7 +316,6 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     file_bytes = engine.loaded.file_tensor_bytes
     steps_s = res["decode_steps"] * res["decode_ms_per_step_mean"] / 1000
     ttft_s = res["ttft_ms_mean"] / 1000 * res["iterations"]
-    res.pop("greedy_tokens")
     res.update(version=lc.llamacpp_version(), threads=threads, resident_weight_MB=round(file_bytes / 1e6, 1),
                physics={"decode": {**bandwidth_figures(phys, res["decode_steps"], steps_s, ceilings)},
                         "prefill": compute_figures(phys, ns.input_len * res["iterations"], res["iterations"],
