@@ -3,12 +3,18 @@
 `get_kernels()` returns the compiled CPU kernel module and `get_quant_kernels()` the
 quantized-matmul module (csrc/quant_*.cpp, used by kernels/quant.py); each returns None when it
 cannot be built (no compiler, no ninja, TURBOLLM_NO_KERNELS=1); callers then use the pure-PyTorch
-reference beside each kernel, and one log line says so. The build lands in torch's extension cache
-(~/.cache/torch_extensions), so only the first process pays the ~1 minute of compilation.
+reference beside each kernel, and one log line says so.
+
+Builds land in ``~/.cache/turbollm/kernels/<module>`` (``TURBOLLM_KERNEL_CACHE`` moves it), so
+only the first process pays the ~1 minute of compilation. Concurrent processes serialise on an
+``flock`` that the OS drops when its holder dies; torch's own ``lock`` file in the build folder
+(which a killed build leaves behind and which would make every later build wait forever) is
+removed under that lock before building.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -21,24 +27,59 @@ CSRC = Path(__file__).parent / "csrc"
 _CPU_SOURCES = ("cpu_kernels_bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
 
 
+def kernel_cache_root() -> Path:
+    """Where compiled kernel modules live: $TURBOLLM_KERNEL_CACHE or ~/.cache/turbollm/kernels."""
+    env = os.environ.get("TURBOLLM_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "turbollm" / "kernels"
+
+
+@contextlib.contextmanager
+def locked_build_dir(name: str, root: Path | None = None):
+    """Yield ``root/name`` while holding an exclusive flock on it, stale torch baton removed.
+
+    The flock is released by the kernel when the holding process exits, killed or not, so a
+    crashed build never blocks the next one. While we hold it no other turbollm process is in
+    torch's build for this folder, so a leftover ``lock`` file there can only be stale.
+    """
+    import fcntl
+
+    build_dir = (root or kernel_cache_root()) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".turbollm-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / "lock"
+            if baton.exists():
+                logger.warning("turbollm: removing a stale build lock left by a killed build: %s", baton)
+                baton.unlink()
+            yield build_dir
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(name: str, sources: list[str], cflags: list[str], what: str):
+    """Compile (or load the cached) extension `name`; None, with one warning, when that fails."""
+    if os.environ.get("TURBOLLM_NO_KERNELS") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        with locked_build_dir(name) as build_dir:
+            return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # compiler missing, ninja missing, build error, unwritable cache
+        logger.warning("turbollm: %s unavailable (%s); using the PyTorch reference paths",
+                       what, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
 def get_kernels():
     """The compiled kernel module, or None (reference paths are used instead)."""
     with _lock:
-        if "module" in _state:
-            return _state["module"]
-        module = None
-        if os.environ.get("TURBOLLM_NO_KERNELS") != "1":
-            try:
-                from torch.utils.cpp_extension import load
-
-                module = load(name="turbollm_cpu_kernels", sources=[str(CSRC / f) for f in _CPU_SOURCES],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                              verbose=False)
-            except Exception as e:  # compiler missing, ninja missing, build error
-                logger.warning("turbollm: C++ kernels unavailable (%s); using the PyTorch reference paths",
-                               str(e).splitlines()[0] if str(e) else type(e).__name__)
-        _state["module"] = module
-        return module
+        if "module" not in _state:
+            _state["module"] = _build("turbollm_cpu_kernels", [str(CSRC / f) for f in _CPU_SOURCES],
+                                      ["-O3", "-march=native", "-fopenmp"], "C++ kernels")
+        return _state["module"]
 
 
 _MISSING = object()
@@ -58,18 +99,8 @@ def get_quant_kernels():
     multiply-then-add bit-exact with the PyTorch decoders.
     """
     with _lock:
-        if "quant" in _state:
-            return _state["quant"]
-        module = None
-        if os.environ.get("TURBOLLM_NO_KERNELS") != "1":
-            try:
-                from torch.utils.cpp_extension import load
-
-                module = load(name="turbollm_quant_kernels", sources=[str(p) for p in sorted(CSRC.glob("quant_*.cpp"))],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:  # compiler missing, ninja missing, build error
-                logger.warning("turbollm: quantized-matmul kernels unavailable (%s); using the PyTorch reference paths",
-                               str(e).splitlines()[0] if str(e) else type(e).__name__)
-        _state["quant"] = module
-        return module
+        if "quant" not in _state:
+            _state["quant"] = _build("turbollm_quant_kernels", [str(p) for p in sorted(CSRC.glob("quant_*.cpp"))],
+                                     ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                                     "quantized-matmul kernels")
+        return _state["quant"]
