@@ -12,8 +12,11 @@ Quality: `turbollm eval ppl` statistics (library: turbollm.eval.perplexity) agai
 reference, every candidate in one pass over the windows (the reference runs once per window).
 Speed: `turbollm bench latency` at batch 1, 512 prompt tokens, 128 decode tokens (decode tok/s
 and prefill tok/s), one row at a time after the quality pass.
-Columns: bits/weight = 8 x resident parameter bytes (embeddings and norms included) / the
-reference's parameter count; resident weight MB = `LoadedModel.weight_bytes` / 1e6.
+Columns: bits/weight = 8 x the weights' bytes by their formats' definitions
+(`quantization.footprint.format_bytes`: int4 = b-bit codes + fp16 scale + b-bit zero per group,
+GGML types their block size; embeddings and norms included) / the reference's parameter count;
+resident weight MB = `LoadedModel.weight_bytes` / 1e6; resident ÷ format = the two byte counts'
+ratio (what the in-memory layout adds to the format).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import json
 import sys
 import time
 
-HEADER = ("| format | bits/weight | resident weight MB | perplexity | Δppl | KLD | top-1 agreement "
-          "| decode tok/s | prefill tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| format | bits/weight | resident weight MB | resident ÷ format | perplexity | Δppl | KLD "
+          "| top-1 agreement | decode tok/s | prefill tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +72,7 @@ def quality(ns: argparse.Namespace) -> tuple[list[dict], float]:
     from turbollm.eval.perplexity import (check_window_args, evaluate, load_text, plan_windows, qmatmul_mode,
                                           tokenize_text)
     from turbollm.loader import load_model
+    from turbollm.quantization.footprint import format_bytes
 
     check_window_args(ns.ctx, ns.score, ns.max_tokens, ns.batch)
     text = load_text(ns.data)
@@ -97,12 +101,13 @@ def quality(ns: argparse.Namespace) -> tuple[list[dict], float]:
     else:
         ref_stats = evaluate([ref], plan, batch=ns.batch)[0]
     ref_stats.update(delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_p99=0.0, top1_agreement=100.0)
-    weights = {label: m.weight_bytes for label, m in zip(labels, cands)}
+    weights = {label: (m.weight_bytes, format_bytes(m.model)) for label, m in zip(labels, cands)}
     out = []
     for label, path, q in ns.rows:
-        wb = weights.get(label, ref.weight_bytes)
+        wb, fb = weights.get(label, (ref.weight_bytes, format_bytes(ref.model)))
         out.append({"format": label, "checkpoint": path, "quantization": q, "weight_bytes": wb,
-                    "bits_per_weight": 8 * wb / ref_params, **res.get(label, ref_stats)})
+                    "format_bytes": fb, "resident_over_format": wb / fb, "bits_per_weight": 8 * fb / ref_params,
+                    **res.get(label, ref_stats)})
     del cands, ref
     gc.collect()
     return out, ref_params
@@ -126,7 +131,8 @@ def latency(ns: argparse.Namespace, label: str, path: str, q: str | None) -> dic
 def markdown_row(r: dict) -> str:
     lat = r.get("latency") or {}
     speed = (f"{lat['decode_tok_per_s']:.1f} | {lat['prefill_tok_per_s']:.1f}" if lat else "– | –")
-    return (f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_bytes'] / 1e6:.1f} | {r['ppl']:.4f} "
+    return (f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_bytes'] / 1e6:.1f} "
+            f"| {r['resident_over_format']:.3f} | {r['ppl']:.4f} "
             f"| {r['delta_ppl']:+.4f} ({r['delta_ppl_pct']:+.2f}%) | {r['kld_mean']:.5f} "
             f"| {r['top1_agreement']:.2f}% | {speed} |")
 

@@ -258,6 +258,7 @@ def test_quant_table_script_on_tiny(tiny_folder, tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["format"] for r in rows] == ["fp32 reference", "copy"] and rows[1]["tokens"] == 60
     assert rows[1]["kld_mean"] < 1e-12 and rows[1]["ppl"] == pytest.approx(rows[0]["ppl"])
+    assert rows[0]["resident_over_format"] == 1.0 and rows[0]["format_bytes"] == rows[0]["weight_bytes"]
     assert rows[0]["latency"]["decode_tok_per_s"] > 0 and rows[1]["latency"]["prefill_tok_per_s"] > 0
     with pytest.raises(SystemExit):
         qt.parse_args(["m", "--row", "no-equals-sign"])

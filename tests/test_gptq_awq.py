@@ -23,8 +23,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from gguf import GGMLQuantizationType, quants  # noqa: E402
 from quant_tiny import build_tiny, calibration_text, exact_quantized_matmul, token_windows  # noqa: E402
 from turbollm.eval.parity import score  # noqa: E402
+from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.quantization.checkpoint_layouts import get_layout  # noqa: E402
@@ -39,6 +41,7 @@ from turbollm.quantize.pipeline import quantize_decoder  # noqa: E402
 from turbollm.quantize.rtn import rtn_decoder  # noqa: E402
 
 WINDOWS = token_windows(8, 48)
+Q8_0 = int(GGMLQuantizationType.Q8_0)
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +157,8 @@ def _loaded_dequantized(layer: LinearBase) -> torch.Tensor:
         return layer.weight.float() * layer.weight_scale[:, None]
     g = layer.int4_group_size
     q = unpack_nibbles(layer.weight).float().view(layer.out_features, -1, g)
-    w = ((q - layer.weight_zeros[..., None]) * layer.weight_scales[..., None]).reshape(layer.out_features, -1)
+    w = (q - layer.weight_zeros.float()[..., None]) * layer.weight_scales.float()[..., None]
+    w = w.reshape(layer.out_features, -1)
     perm = getattr(layer, "weight_perm", None)
     if perm is None:
         return w
@@ -194,10 +198,22 @@ def test_export_load_round_trip_is_exact(tiny, tmp_path, arch, method, bits, act
             assert torch.equal(layer.bias, src_layer.bias)
     src_params = dict(src.model.named_parameters())
     for name, p in back.model.named_parameters():
-        if "norm" in name or "embed" in name or "lm_head" in name:
+        if "norm" in name:
             assert torch.allclose(p, src_params[name], rtol=0, atol=1e-6), name  # gemma: (1+w) - 1 + 1
+    # the dense vocabulary tables come back as Q8_0 blocks (gguf-py's encoding of the exported table)
+    with torch.no_grad():
+        for table in {id(t): t for t in (back.model.model.embed_tokens, back.model.lm_head)}.values():
+            src_table = src.model.get_submodule(_module_name(back.model, table)).weight
+            assert table.qtype == Q8_0
+            expected = quants.quantize(src_table.detach().numpy(), Q8_0)
+            assert torch.equal(table.weight, torch.from_numpy(expected).view(torch.uint8))
+            src_table.copy_(ggml_dequantize(table.weight, Q8_0, table.dim))
     diff = float((_logits(back) - _logits(src)).abs().max())
     assert diff < 1e-4, diff  # same weights; only the order of float32 sums differs (kernel, act-order)
+
+
+def _module_name(model, module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
 
 
 def test_cli_end_to_end_and_atomic_writes(tiny, tmp_path, monkeypatch):

@@ -95,8 +95,8 @@ def test_int4_groupwise(group):
     gen = torch.Generator().manual_seed(group)
     n, k = 37, 256
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(n, k // group, generator=gen) * 0.01
-    zeros = torch.rand(n, k // group, generator=gen) * 15
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01).half()
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
     wd = Q.int4_dequantize_ref(packed, scales, zeros, group)
     assert torch.equal(Q.int4_dequantize(packed, scales, zeros, group), wd)
     for m in MS:
@@ -186,7 +186,8 @@ def test_fallback_without_kernels(monkeypatch):
     assert torch.equal(Q.ggml_embedding(w, T.Q4_K, k, ids), wd[ids])
     w8, s = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n, generator=gen)
     assert torch.equal(Q.int8_linear(x, w8, s), Q.int8_linear_ref(x, w8, s))
-    pk, sc, z = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, 4), torch.rand(n, 4)
+    pk = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    sc, z = torch.rand(n, 4).half(), torch.randint(0, 16, (n, 4), dtype=torch.uint8)
     assert torch.equal(Q.int4_linear(x, pk, sc, z, 64), Q.int4_linear_ref(x, pk, sc, z, 64))
 
 

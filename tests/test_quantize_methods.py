@@ -22,13 +22,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+from gguf import GGMLQuantizationType, quants  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from quant_tiny import build_tiny, calibration_text, exact_quantized_matmul, token_windows  # noqa: E402
 from turbollm.errors import InvalidRequestError, ModelFormatError, WeightLoadError  # noqa: E402
 from turbollm.eval.parity import score  # noqa: E402
+from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
+from turbollm.quantization.footprint import format_bytes  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, int8_per_channel, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import Int4LinearMethod, set_int4_weight  # noqa: E402
 from turbollm.quantization.packing import (pack_awq, pack_int32, pack_nibbles, unpack_awq, unpack_int32,  # noqa: E402
@@ -132,7 +135,11 @@ def _dequantized(layer: LinearBase) -> torch.Tensor:
         return layer.weight.float() * layer.weight_scale[:, None]
     g = layer.int4_group_size
     q = unpack_nibbles(layer.weight).float().view(layer.out_features, -1, g)
-    return ((q - layer.weight_zeros[..., None]) * layer.weight_scales[..., None]).reshape(layer.out_features, -1)
+    w = (q - layer.weight_zeros.float()[..., None]) * layer.weight_scales.float()[..., None]
+    return w.reshape(layer.out_features, -1)
+
+
+Q8_0 = int(GGMLQuantizationType.Q8_0)
 
 
 def _linears(model):
@@ -158,17 +165,37 @@ def test_method_at_load_matches_dequantized_reference(tiny_llama, method, bits, 
             ref = rtn_quantize(w, QuantGrid(bits), group)
             assert torch.equal(unpack_nibbles(ql.weight), ref.q) and int(ref.q.max()) < (1 << bits)
             assert torch.equal(_dequantized(ql), ref.dequantize())
-            expected_bytes += n * k // 2 + 2 * 4 * n * (k // group) - 4 * n * k
+            expected_bytes += n * k // 2 + (2 + 1) * n * (k // group) - 4 * n * k  # fp16 scale, uint8 zero
         x = torch.randn(7, k)
         ref_y = F.linear(x, _dequantized(ql), ql.bias)
         assert torch.allclose(ql(x), ref_y, rtol=1e-4, atol=1e-5)
+    # the dense vocabulary table (tied LM head) is held as Q8_0 blocks, those of gguf-py's encoder
+    table, emb = fp.model.model.embed_tokens.weight.data, q.model.model.embed_tokens
+    assert emb.qtype == Q8_0 and q.model.lm_head.weight is emb.weight
+    assert torch.equal(emb.weight, torch.from_numpy(quants.quantize(table.numpy(), Q8_0)).view(torch.uint8))
+    v, d = table.shape
+    expected_bytes += v * d // 32 * 34 - 4 * v * d
     assert q.weight_bytes == expected_bytes
     # the whole model equals the float model carrying the dequantized weights
     with torch.no_grad():
+        table.copy_(ggml_dequantize(emb.weight, Q8_0, d))
         for (_, ql), (_, fl) in zip(_linears(q.model), _linears(fp.model)):
             fl.weight.data.copy_(_dequantized(ql))
     ids = token_windows(1, 40)[0].tolist()
     assert torch.allclose(score(q, [ids])[0], score(fp, [ids])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,bits,group", [("int4-g32", 4, 32), ("int3-g64", 3, 64)])
+def test_format_bytes_counts_the_format_not_the_container(tiny_llama, method, bits, group):
+    fp, q = load_model(str(tiny_llama)), load_model(str(tiny_llama), quantization=method)
+    assert format_bytes(fp.model) == fp.weight_bytes  # float32: the storage is the format
+    expected = q.weight_bytes
+    for _, layer in _linears(q.model):
+        n, k = layer.out_features, layer.in_features
+        held = layer.weight.numel() + 3 * layer.weight_scales.numel()  # nibbles, fp16 scale, uint8 zero
+        assert held == n * k // 2 + 3 * n * (k // group)
+        expected += n * k * (bits + (16 + bits) / group) / 8 - held
+    assert format_bytes(q.model) == pytest.approx(expected)
 
 
 def test_act_order_storage_permutes_the_input():

@@ -11,8 +11,9 @@ Conventions
   ``qtype`` is the GGML type id (``gguf.GGMLQuantizationType`` value).
 - ``x`` is float32 ``[M, K]`` (M tokens; leading dims are flattened); results are float32 ``[M, N]``.
 - int8 weight-only: ``w`` int8 ``[N, K]``, ``scale`` float32 ``[N]``; W = w * scale[:, None].
-- int4 group-wise: ``packed`` uint8 ``[N, K // 2]`` (low nibble = even column), ``scales`` and
-  ``zeros`` float32 ``[N, K // group]``; W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
+- int4 group-wise: ``packed`` uint8 ``[N, K // 2]`` (low nibble = even column), ``scales``
+  float16 and ``zeros`` uint8 ``[N, K // group]`` (other dtypes are converted per call);
+  W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
 
 Three kernel paths compute a product:
 - ``q8``: x is quantized to int8 with an fp32 scale per block of 32 values (legacy types, int8,
@@ -208,9 +209,13 @@ def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     mod = _kernels(INT4_GROUPWISE)
     if mod is not None and group % 32 == 0 and packed.is_contiguous():
         k = packed.shape[1] * 2
-        return mod.dequant(packed, INT4_GROUPWISE, k, scales.float().contiguous(), zeros.float().contiguous(),
-                           group, None)
+        return mod.dequant(packed, INT4_GROUPWISE, k, *_int4_meta(scales, zeros), group, None)
     return int4_dequantize_ref(packed, scales, zeros, group)
+
+
+def _int4_meta(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int4 metadata: float16 scales and uint8 zero points (no copy when already so)."""
+    return scales.to(torch.float16).contiguous(), zeros.to(torch.uint8).contiguous()
 
 
 def int4_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -218,7 +223,7 @@ def int4_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
     n = packed.shape[0]
     q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).float()
     q = q.view(n, -1, group)
-    return ((q - zeros[:, :, None]) * scales[:, :, None]).reshape(n, -1)
+    return ((q - zeros.float()[:, :, None]) * scales.float()[:, :, None]).reshape(n, -1)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -228,8 +233,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     k = packed.shape[1] * 2
     if mod is None or group % 32 or k % group or not packed.is_contiguous():
         return _result(int4_linear_ref(x, packed, scales, zeros, group), out)
-    return _run_linear(mod, x, packed, INT4_GROUPWISE, k, scales.float().contiguous(), zeros.float().contiguous(),
-                       group, out, path)
+    return _run_linear(mod, x, packed, INT4_GROUPWISE, k, *_int4_meta(scales, zeros), group, out, path)
 
 
 def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

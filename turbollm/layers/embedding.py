@@ -5,7 +5,9 @@ block-quantized and the model keeps GGUF types (the loader then hands a `Quantiz
 the raw GGML blocks ``uint8 [vocab, row_bytes]`` tagged with their type (`ggml_qtype` on the
 parameter). Lookups then decode only the rows asked for (`ggml_embedding`), and the LM head
 multiplies by the blocks (`ggml_linear`). A tied LM head shares the embedding's parameter
-object, so it shares the blocks and their type: no float32 copy of the table exists.
+object, so it shares the blocks and their type: no float32 copy of the table exists. A dense
+table loaded for a quantized model is re-encoded once loaded (`compress`, to the linear
+method's `vocab_table_type`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ class VocabEmbedding(nn.Module):
                 self.weight = nn.Parameter(torch.empty(self.vocab_size, self.dim), requires_grad=False)
             copy_checked(self.weight, loaded, what)
         self.weight.weight_loader = self.load_table
+
+    def compress(self, qtype: int) -> bool:
+        """Re-encode a dense table as GGML blocks of `qtype` (our encoder); False if the rows don't fit its blocks."""
+        from turbollm.quantize.ggml_quantizers import get_quantizer, quantize
+
+        if self.qtype is not None or self.dim % get_quantizer(qtype).block_size:
+            return False
+        blocks = torch.from_numpy(quantize(self.weight.data, qtype, tensor_name=type(self).__name__.lower()))
+        self.weight = mark_ggml(nn.Parameter(blocks.contiguous(), requires_grad=False), qtype)
+        self.weight.weight_loader = self.load_table
+        return True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         qtype = self.qtype

@@ -5,7 +5,8 @@
 gate_up_proj) to their shard, and reports missing, unexpected or mis-shaped tensors by name.
 A tensor may be a `QuantizedTensor` (raw GGML blocks): the linear layers and the embeddings
 keep it, any other parameter gets it decoded. Once every tensor is in, each linear layer's
-method finishes its storage (`process_weights_after_loading`).
+method finishes its storage (`process_weights_after_loading`), and a dense vocabulary table is
+re-encoded when the method asks for it (`LinearMethod.vocab_table_type`).
 """
 
 from __future__ import annotations
@@ -166,7 +167,18 @@ class CausalLM(nn.Module):
                     layer.method.process_weights_after_loading(layer)
                 except WeightLoadError as e:
                     raise WeightLoadError(f"{source}: layer {mname!r}: {e}") from None
+        self._compress_vocab_tables()
         self.tie_weights()
+
+    def _compress_vocab_tables(self) -> None:
+        """Store dense vocabulary tables in the linear method's `vocab_table_type`, if it names one."""
+        methods = [m.method for m in self.modules() if isinstance(m, LinearBase)]
+        qtype = methods[0].vocab_table_type if methods else None
+        if qtype is None:
+            return
+        self.model.embed_tokens.compress(qtype)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.compress(qtype)
 
 
 def _keeps_blocks(model: nn.Module, pname: str) -> bool:

@@ -54,8 +54,8 @@ class AWQLayout(QuantLayout):
             raise ModelFormatError(f"{where}: inconsistent shapes qweight {list(qweight.shape)}, qzeros "
                                    f"{list(qzeros.shape)}, scales {list(scales.shape)} for group size {g}")
         return {"weight": pack_nibbles(unpack_awq(qweight).t()),
-                "weight_scales": scales.float().t().contiguous(),
-                "weight_zeros": unpack_awq(qzeros).t().float().contiguous()}
+                "weight_scales": scales.to(torch.float16).t().contiguous(),
+                "weight_zeros": unpack_awq(qzeros).t().to(torch.uint8).contiguous()}
 
     def from_quantized(self, cfg: LayoutConfig, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         if qw.perm is not None:

@@ -34,6 +34,10 @@ class LinearMethod:
     #: True: the GGUF loader hands this method `QuantizedTensor`s (raw GGML blocks) for
     #: block-quantized tensors. False: every tensor arrives dequantized to float32.
     accepts_ggml_blocks: ClassVar[bool] = False
+    #: GGML type in which a *dense* vocabulary table (embedding, untied LM head) is stored once
+    #: loaded, or None to keep float32. The quantizing methods say Q8_0 (8.5 bits/weight), so a
+    #: model loaded from a float checkpoint holds no float32 table; a GGUF's table keeps its type.
+    vocab_table_type: ClassVar[int | None] = None
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         raise NotImplementedError
@@ -57,6 +61,14 @@ class LinearMethod:
     def weight_bytes(self, layer: nn.Module) -> int:
         """Resident bytes of this layer's weight storage."""
         return sum(p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n != "bias")
+
+    def format_bits(self, layer: nn.Module) -> float:
+        """Bits per weight of this layer's format as its checkpoint layout defines it.
+
+        Default: the resident storage is the format (float32, GGML blocks). Methods whose
+        in-memory layout differs from the format they implement override it.
+        """
+        return 8.0 * self.weight_bytes(layer) / (layer.in_features * layer.out_features)
 
 
 @register_linear_method("none")

@@ -74,7 +74,7 @@ class GPTQLayout(QuantLayout):
                                    f"{list(qzeros.shape)}, scales {list(scales.shape)}, g_idx {list(g_idx.shape)} "
                                    f"for {b}-bit, group size {g}")
         codes = unpack_int32(qweight, b, dim=0).t()  # [N, K]
-        zeros = (unpack_int32(qzeros, b, dim=1) + cfg.zero_offset).t().float()  # [N, G]
+        zeros = (unpack_int32(qzeros, b, dim=1) + cfg.zero_offset).t()  # [N, G]
         scales = scales.float().t().contiguous()
         perm = torch.argsort(g_idx.to(torch.int64), stable=True)
         if not torch.equal(g_idx.to(torch.int64)[perm], torch.arange(k) // g):
@@ -87,7 +87,7 @@ class GPTQLayout(QuantLayout):
                 raise ModelFormatError(f"{where}: 8-bit GPTQ zero points must all be 128 (symmetric)")
             return {"weight": (codes - 128).to(torch.int8), "weight_scale": scales[:, 0].contiguous()}
         out = {"weight": pack_nibbles(codes[:, perm] if not identity else codes),
-               "weight_scales": scales, "weight_zeros": zeros.contiguous()}
+               "weight_scales": scales.to(torch.float16), "weight_zeros": zeros.to(torch.uint8).contiguous()}
         if cfg.act_order:
             out["weight_perm"] = perm
         return out

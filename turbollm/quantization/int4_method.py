@@ -2,12 +2,13 @@
 
 Resident per layer (the layout of `kernels.quant.int4_linear`):
 - ``weight`` uint8 ``[N, K/2]``: two codes per byte, low nibble = even column;
-- ``weight_scales``, ``weight_zeros`` float32 ``[N, K/g]``: ``W = (q - zero) * scale`` per group;
+- ``weight_scales`` float16 and ``weight_zeros`` uint8 ``[N, K/g]``: ``W = (q - zero) * scale``
+  per group (the quantizers round scales to float16 when they make them, so nothing is lost);
 - ``weight_perm`` int64 ``[K]`` only for act-order GPTQ checkpoints: storage column j is input
   column ``perm[j]``, so ``y = x[:, perm] @ W_storage.T`` (the input is permuted before the
   kernel; the groups stay contiguous in storage order).
 
-Storage per weight is 4 bits + 64 bits per group of g (g = 128: 4.5 bits/weight). 3-bit codes
+Storage per weight is 4 bits + 24 bits per group of g (g = 128: 4.19 bits/weight). 3-bit codes
 (0..7) are stored unpacked in the same 4-bit container, so "int3" saves no memory over "int4";
 it exists to measure what a 3-bit grid costs in quality.
 
@@ -20,6 +21,7 @@ layer in this layout directly (`Int4LinearMethod(prequantized=True, ...)`).
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from turbollm.errors import InvalidRequestError, WeightLoadError
@@ -37,8 +39,8 @@ def set_int4_weight(layer: nn.Module, qw: QuantizedWeight) -> None:
     if qw.bits > 4:
         raise ValueError(f"int4 layout holds codes of at most 4 bits, got {qw.bits}")
     layer.weight = nn.Parameter(pack_nibbles(qw.q), requires_grad=False)
-    layer.weight_scales = nn.Parameter(qw.scales.float().contiguous(), requires_grad=False)
-    layer.weight_zeros = nn.Parameter(qw.zeros.float().contiguous(), requires_grad=False)
+    layer.weight_scales = nn.Parameter(qw.scales.to(torch.float16).contiguous(), requires_grad=False)
+    layer.weight_zeros = nn.Parameter(qw.zeros.to(torch.uint8).contiguous(), requires_grad=False)
     if qw.perm is not None:
         layer.weight_perm = nn.Parameter(qw.perm.to(torch.int64).contiguous(), requires_grad=False)
     layer.int4_group_size = qw.group_size
@@ -46,6 +48,8 @@ def set_int4_weight(layer: nn.Module, qw: QuantizedWeight) -> None:
 
 class Int4LinearMethod(LinearMethod):
     """Group-wise int4 weights: quantized at load by round-to-nearest, or read from a checkpoint."""
+
+    vocab_table_type = int(GGMLQuantizationType.Q8_0)
 
     bits = 4
     group_size = DEFAULT_GROUP_SIZE
@@ -74,8 +78,10 @@ class Int4LinearMethod(LinearMethod):
             return
         layer.weight = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8),
                                     requires_grad=False)
-        layer.weight_scales = nn.Parameter(torch.zeros(out_features, in_features // g), requires_grad=False)
-        layer.weight_zeros = nn.Parameter(torch.zeros(out_features, in_features // g), requires_grad=False)
+        layer.weight_scales = nn.Parameter(torch.zeros(out_features, in_features // g, dtype=torch.float16),
+                                           requires_grad=False)
+        layer.weight_zeros = nn.Parameter(torch.zeros(out_features, in_features // g, dtype=torch.uint8),
+                                          requires_grad=False)
         layer.weight_scales.weight_loader = layer.weight_loader
         layer.weight_zeros.weight_loader = layer.weight_loader
         if self.act_order:
@@ -90,6 +96,14 @@ class Int4LinearMethod(LinearMethod):
             return
         qw = rtn_quantize(layer.weight.data, QuantGrid(self.bits), layer.int4_group_size)
         set_int4_weight(layer, qw)
+
+    def format_bits(self, layer: nn.Module) -> float:
+        """b-bit codes plus a float16 scale and a b-bit zero point per group (AutoGPTQ/AutoAWQ's layout).
+
+        We hold the codes in nibbles and the zero point in a byte: 4 + 24/g bits per weight, so
+        3-bit codes take a third more memory than their format.
+        """
+        return self.bits + (16.0 + self.bits) / layer.int4_group_size
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.in_features)

@@ -17,6 +17,7 @@ Two ways in:
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from turbollm.kernels.quant import int8_linear
@@ -34,6 +35,8 @@ def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> N
 class Int8LinearMethod(LinearMethod):
     """Per-output-channel symmetric int8 weights (quantized at load, or read from a checkpoint)."""
 
+    vocab_table_type = int(GGMLQuantizationType.Q8_0)
+
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
 
@@ -50,6 +53,10 @@ class Int8LinearMethod(LinearMethod):
             return  # already int8 (from a checkpoint, or processed before)
         q, scale = int8_per_channel(layer.weight.data)
         set_int8_weight(layer, q, scale)
+
+    def format_bits(self, layer: nn.Module) -> float:
+        """8-bit codes and a float16 scale per output row (we hold the scale as float32)."""
+        return 8.0 + 16.0 / layer.in_features
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.in_features)

@@ -39,13 +39,13 @@ WView make_view(const torch::Tensor& w, int64_t qtype, int64_t K, const c10::opt
   } else if (qtype == tq::kInt4) {
     TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == K, "int4 weight must be uint8 [N, K / 2]");
     TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "int4 group must be a multiple of 32 dividing K");
-    for (const auto* t : {&scale, &zero}) {
-      TORCH_CHECK(*t && (*t)->scalar_type() == torch::kFloat32 && (*t)->is_contiguous() &&
-                      (*t)->numel() == N * (K / group), "int4 weight needs float32 scales / zeros [N, K / group]");
-    }
+    TORCH_CHECK(scale && scale->scalar_type() == torch::kFloat16 && scale->is_contiguous() &&
+                    scale->numel() == N * (K / group), "int4 weight needs float16 scales [N, K / group]");
+    TORCH_CHECK(zero && zero->scalar_type() == torch::kUInt8 && zero->is_contiguous() &&
+                    zero->numel() == N * (K / group), "int4 weight needs uint8 zero points [N, K / group]");
     v.row_bytes = K / 2;
-    v.scale = scale->data_ptr<float>();
-    v.zero = zero->data_ptr<float>();
+    v.scale16 = reinterpret_cast<const uint8_t*>(scale->data_ptr());
+    v.zero8 = zero->data_ptr<uint8_t>();
     v.group = group;
   } else {
     TORCH_CHECK(w.scalar_type() == torch::kUInt8, "GGML weight must be uint8 [N, row_bytes]");

@@ -56,8 +56,9 @@ struct WView {
   const uint8_t* data = nullptr;
   int64_t row_bytes = 0;
   int64_t K = 0;
-  const float* scale = nullptr;
-  const float* zero = nullptr;
+  const float* scale = nullptr;      // int8: float32 [N]
+  const uint8_t* scale16 = nullptr;  // int4: float16 [N, K / group] (raw bytes, 2 per value)
+  const uint8_t* zero8 = nullptr;    // int4: uint8 [N, K / group]
   int64_t group = 0;
   inline const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
 };

@@ -3,7 +3,7 @@
 //
 // int8: W[n] = w[n] * scale[n]  ->  w . x = scale[n] * sum_b dx_b (|w_b| . (qx_b * sign(w_b))).
 // int4: W[n, k] = (q - z_g) * s_g for group g = k / group (a multiple of 32), q unsigned 4-bit
-//       with the even column in the low nibble  ->  per 32-block b in group g
+//       with the even column in the low nibble, s_g float16, z_g uint8  ->  per 32-block b in group g
 //       w_b . x_b = s_g dx_b (q_b . qx_b) - (s_g z_g) s32_b.
 #include "quant_common.h"
 
@@ -29,11 +29,12 @@ void deq_int8(const WView& w, int64_t n, float* out) {
 void deq_int4(const WView& w, int64_t n, float* out) {
   const uint8_t* row = w.row(n);
   const int64_t groups = w.K / w.group;
-  const float* s = w.scale + n * groups;
-  const float* z = w.zero + n * groups;
+  const uint8_t* s16 = w.scale16 + 2 * n * groups;
+  const uint8_t* z8 = w.zero8 + n * groups;
   for (int64_t g = 0; g < groups; ++g) {
+    const float sg = fp16_to_fp32(s16 + 2 * g), zg = (float)z8[g];
 #ifdef __AVX2__
-    const __m256 vs = _mm256_set1_ps(s[g]), vz = _mm256_set1_ps(z[g]);
+    const __m256 vs = _mm256_set1_ps(sg), vz = _mm256_set1_ps(zg);
     for (int64_t b = 0; b < w.group / 32; ++b) {
       const int64_t k0 = g * w.group + 32 * b;
       const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
@@ -45,7 +46,7 @@ void deq_int4(const WView& w, int64_t n, float* out) {
 #else
     for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
       const int q = (k & 1) ? (row[k / 2] >> 4) : (row[k / 2] & 0x0F);
-      out[k] = ((float)q - z[g]) * s[g];
+      out[k] = ((float)q - zg) * sg;
     }
 #endif
   }
@@ -78,8 +79,8 @@ template <int T>
 void dot_int4(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
   const int64_t groups = w.K / w.group, per = w.group / 32;
-  const float* sc = w.scale + n * groups;
-  const float* zr = w.zero + n * groups;
+  const uint8_t* s16 = w.scale16 + 2 * n * groups;
+  const uint8_t* z8 = w.zero8 + n * groups;
   const int8_t* xq[T];
   const float *xd[T], *xs[T];
   Acc<T> acc;
@@ -88,10 +89,14 @@ void dot_int4(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, 
     xq[t] = a.qrow(m0 + t); xd[t] = a.drow(m0 + t); xs[t] = a.s32row(m0 + t);
   }
   const __m128i m4 = _mm_set1_epi8(0x0F);
+  float d = 0.f, c = 0.f;
   for (int64_t b = 0; b < w.K / 32; ++b) {
     if ((b & 3) == 0) prefetch_ahead(row + 16 * b, 1);
-    const int64_t g = b / per;
-    const float d = sc[g], c = -(sc[g] * zr[g]);
+    if (b % per == 0) {
+      const int64_t g = b / per;
+      d = fp16_to_fp32(s16 + 2 * g);
+      c = -(d * (float)z8[g]);
+    }
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
     const __m128i lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
     const __m256i q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
