@@ -12,7 +12,6 @@ a format is held in a wider container (3-bit codes in 4-bit nibbles).
 from __future__ import annotations
 
 import torch
-
 from gguf import GGML_QUANT_SIZES
 
 
