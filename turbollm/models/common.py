@@ -172,8 +172,8 @@ class CausalLM(nn.Module):
 
     def _compress_vocab_tables(self) -> None:
         """Store dense vocabulary tables in the linear method's `vocab_table_type`, if it names one."""
-        methods = [m.method for m in self.modules() if isinstance(m, LinearBase)]
-        qtype = methods[0].vocab_table_type if methods else None
+        method = next((m.method for m in self.modules() if isinstance(m, LinearBase)), None)
+        qtype = method.vocab_table_type if method is not None else None
         if qtype is None:
             return
         self.model.embed_tokens.compress(qtype)
