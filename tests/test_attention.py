@@ -78,3 +78,51 @@ def test_cpu_backend_mixed_batch_matches_reference():
     q, kc, vc, meta = _random_paged(lens, q_lens, 4, 2, 16, 4, seed=4)
     got = CPUKernelAttentionBackend().forward(q, kc, vc, meta, 0.25, 7, None)
     torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.25, 7), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("Hq,Hk,D,window", [(9, 3, 64, None), (14, 2, 64, None), (12, 2, 128, 300), (4, 1, 256, None)])
+def test_cpu_kernel_long_contexts_match_reference(Hq, Hk, D, window):
+    """Contexts spanning several of the kernel's 256-position chunks, at the catalog's head sizes
+    (vectorized score, exp and value paths; chunk merging; windows that start mid-chunk)."""
+    from turbollm.attention.backend import attend_decode_batch
+    from turbollm.kernels import get_kernels
+
+    kernels = get_kernels()
+    if kernels is None:
+        pytest.skip("C++ kernels could not be built here (the reference path is used)")
+    lens = [600, 257, 256, 9, 1]
+    q, kc, vc, meta = _random_paged(lens, [1] * len(lens), Hq, Hk, D, 16, seed=5)
+    got = kernels.paged_decode_attention(q.contiguous(), kc, vc, meta.block_tables, torch.tensor(lens), 0.125,
+                                         window or -1, 0.0)
+    ref = attend_decode_batch(q, kc, vc, meta.block_tables, torch.tensor(lens), 0.125, window, None)
+    torch.testing.assert_close(got.reshape(len(lens), -1), ref, rtol=1e-5, atol=1e-5)
+    # a sequence's output does not depend on the batch it is in
+    alone = kernels.paged_decode_attention(q[:1].contiguous(), kc, vc, meta.block_tables[:1], torch.tensor(lens[:1]),
+                                           0.125, window or -1, 0.0)
+    assert torch.equal(alone[0], got[0])
+
+
+def test_cpu_backend_write_kv_matches_reference():
+    """The fused C++ K/V store puts strided rows (views of a QKV projection) at the same slots as
+    the plain index_copy_ path, and rejects a slot outside the cache."""
+    from turbollm.attention.backend import AttentionBackend, CPUKernelAttentionBackend
+
+    backend = CPUKernelAttentionBackend()
+    if backend.kernels is None:
+        pytest.skip("C++ kernels could not be built here (the reference path is used)")
+    g = torch.Generator().manual_seed(6)
+    T, Hk, D, nb, bs = 5, 2, 8, 4, 4
+    qkv = torch.randn(T, 3 * Hk * D, generator=g)
+    k = qkv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D)
+    v = qkv[:, 2 * Hk * D:].reshape(T, Hk, D)
+    assert not k.is_contiguous()
+    slots = torch.tensor([3, 9, 0, 15, 6])
+    meta = AttentionMetadata(slots, [0, T], [T], torch.zeros(1, nb, dtype=torch.int64), bs)
+    got = [torch.zeros(nb, bs, Hk, D) for _ in range(2)]
+    ref = [torch.zeros(nb, bs, Hk, D) for _ in range(2)]
+    backend.write_kv(k, v, *got, meta)
+    AttentionBackend().write_kv(k, v, *ref, meta)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    meta.slot_mapping = torch.tensor([3, 9, 0, 16, 6])
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.write_kv(k, v, *got, meta)

@@ -120,11 +120,18 @@ def decode_groups(meta: AttentionMetadata) -> list[list[int]]:
     return [g for g in classes.values() if len(g) > 1]
 
 
-def _decode_index(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For decoding sequences `seqs`: their indices, their query rows in the batch, their lengths."""
+def _decode_index(meta: AttentionMetadata, seqs: list[int], with_tables: bool = False) -> tuple[torch.Tensor, ...]:
+    """For decoding sequences `seqs`: their indices, their query rows in the batch, their lengths
+    (and, `with_tables`, their block tables)."""
     qsl = meta.query_start_loc
-    return (torch.tensor(seqs), torch.tensor([qsl[i] for i in seqs]),
-            torch.tensor([meta.seq_lens[i] for i in seqs]))
+    idx = torch.tensor(seqs)
+    out = (idx, torch.tensor([qsl[i] for i in seqs]), torch.tensor([meta.seq_lens[i] for i in seqs]))
+    return out + (meta.block_tables[idx],) if with_tables else out
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as the kernels read it: each row's H * D values contiguous (rows may be strided)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 @register_backend("torch")
@@ -150,11 +157,15 @@ class TorchAttentionBackend(AttentionBackend):
         done: set[int] = set()
         decode = meta.derived("decode_seqs", lambda: [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1])
         if self.kernels is not None and decode and q.dtype == torch.float32:
-            idx, rows, lens = meta.derived(("decode_index", tuple(decode)), lambda: _decode_index(meta, decode))
-            res = self.kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, meta.block_tables[idx],
-                                                      lens, scale, window or -1, softcap or 0.0)
-            if len(decode) == meta.num_seqs:
+            if len(decode) == meta.num_seqs:  # pure decode: row i of q is sequence i (the kernel reads strided q)
+                lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
+                res = self.kernels.paged_decode_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables,
+                                                          lens, scale, window or -1, softcap or 0.0)
                 return res.reshape(len(decode), -1)
+            idx, rows, lens, tables = meta.derived(("decode_index", tuple(decode)),
+                                                   lambda: _decode_index(meta, decode, with_tables=True))
+            res = self.kernels.paged_decode_attention(q[rows], k_cache, v_cache, tables,
+                                                      lens, scale, window or -1, softcap or 0.0)
             out[rows] = res.reshape(len(decode), -1)
             done.update(decode)
         for group in ([] if done else decode_groups(meta)):
@@ -181,6 +192,11 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
     """
 
     use_kernels = True
+
+    def write_kv(self, k, v, k_cache, v_cache, meta):
+        if self.kernels is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+            return super().write_kv(k, v, k_cache, v_cache, meta)
+        self.kernels.paged_write_kv(_rows_contiguous(k), _rows_contiguous(v), k_cache, v_cache, meta.slot_mapping)
 
 
 def get_attention_backend(name: str = "cpu") -> AttentionBackend:

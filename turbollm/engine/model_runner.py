@@ -50,7 +50,7 @@ class ModelRunner:
             tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int64)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), qsl, seq_lens, tables, bs)
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta,
-                            self.kv_caches, self.backend)
+                            self.kv_caches, self.backend, max_position=max(seq_lens) - 1)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate the K/V of block src into block dst in every layer."""

@@ -29,10 +29,13 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = freqs.cos(), freqs.sin()
         self._cache_len = n
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] → rotated (q, k)."""
-        if positions.numel() and int(positions.max()) >= self._cache_len:
-            self._grow(max(int(positions.max()) + 1, 2 * self._cache_len))
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] (whose max is `max_position` when given) → rotated (q, k)."""
+        if positions.numel():
+            top = int(positions.max()) if max_position is None else max_position
+            if top >= self._cache_len:
+                self._grow(max(top + 1, 2 * self._cache_len))
         kernels = cpu_kernels()
         if kernels is not None and q.dtype == torch.float32 and k.dtype == torch.float32 \
                 and q.stride(-1) == 1 and k.stride(-1) == 1:

@@ -60,7 +60,7 @@ class SelfAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(batch.positions, q, k, batch.max_position)
         out = self.attn(q, k, v, batch.kv_caches[self.layer_idx], batch.attn, batch.backend)
         return self.o_proj(out)
 

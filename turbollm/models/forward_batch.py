@@ -16,3 +16,4 @@ class ForwardBatch:
     attn: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V) paged storage
     backend: AttentionBackend
+    max_position: int | None = None  # max(positions) when the caller knows it (saves a reduction per layer)

@@ -1,17 +1,29 @@
 // Decode attention over the paged KV cache: one new query token per sequence.
 //
-// Work is split over (sequence, KV head) pairs. For each pair the G = Hq/Hk query heads of
-// the group read every cached key and value row of that KV head once (GQA/MQA without
-// repeating K/V), straight from the blocks named by the block table: no gather copy.
+// Work is split over (sequence, KV head, chunk of kChunk cached positions) tasks, so that even
+// one sequence with few KV heads keeps every thread busy (split-K, as in flash-decoding). For
+// each task the G = Hq/Hk query heads of the group read each cached key and value row of that
+// KV head once (GQA/MQA without repeating K/V), straight from the blocks named by the block
+// table: no gather copy. A task leaves its unnormalized partial result (max score m, sum of
+// exp l, sum of exp * v); a second pass merges the chunks of each (sequence, head).
+//
+// The chunking depends only on a sequence's own length, never on the batch, so a sequence's
+// output is the same alone and in any batch.
 // Reference: turbollm/attention/backend.py attend_decode_batch (tests hold them together).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // cached positions per task
 
 static inline float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX2__
@@ -36,20 +48,152 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 #endif
 }
 
-static inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+#ifdef __AVX2__
+// Eight dot products q . k_j (j < 8) of length D (a multiple of 8) as one vector.
+static inline __m256 dot8(const float* q, const float* const k[8], int64_t D) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+  }
+  // transpose-reduce: lane j of the result is the sum of a[j]
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // s0123 = [0 1 2 3 | 0 1 2 3] halves (low lane: elements 0-3, high lane: 4-7 of each a)
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
 }
+
+// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite range reduction and a degree-6
+// polynomial, ~1 ulp; inputs below -87 give 0.
+static inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// acc[g][0:32) += sum_t p[g][t] * v_t[d0:d0+32) for NG heads at once (accumulators in registers).
+template <int NG>
+static inline void accum_v32(const float* const* vrows, const float* p, int64_t pstride, int64_t n, int64_t d0,
+                             float* acc, int64_t D) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = vrows[t] + d0;
+    const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+    const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_broadcast_ss(p + g * pstride + t);
+      a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(w, v2, a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(w, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
+}
+#endif
+
+// The partial attention of G query heads over cached positions [t0, t1) of one KV head.
+// krow(t) / vrow(t) give row pointers; outputs: m[G], l[G], acc[G * D] (unnormalized).
+struct Task {
+  const float* q;  // [G, D]
+  int64_t G, D;
+  float scale, cap;
+};
+
+template <class KFn, class VFn>
+void attend_chunk(const Task& tk, int64_t t0, int64_t t1, KFn krow, VFn vrow, float* m, float* l, float* acc,
+                  std::vector<float>& scores, std::vector<const float*>& rows) {
+  const int64_t G = tk.G, D = tk.D, n = t1 - t0;
+  scores.resize(G * n);
+  rows.resize(n);
+  for (int64_t i = 0; i < n; ++i) rows[i] = krow(t0 + i);
+  int64_t i0 = 0;
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (; i0 + 8 <= n; i0 += 8)
+      for (int64_t g = 0; g < G; ++g)
+        _mm256_storeu_ps(scores.data() + g * n + i0,
+                         _mm256_mul_ps(dot8(tk.q + g * D, rows.data() + i0, D), _mm256_set1_ps(tk.scale)));
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i)
+    for (int64_t g = 0; g < G; ++g) scores[g * n + i] = dot(tk.q + g * D, rows[i], D) * tk.scale;
+  if (tk.cap > 0.f)
+    for (auto& s : scores) s = std::tanh(s / tk.cap) * tk.cap;
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 vs = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(s + i, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vs);
+    for (float f : lanes) sum += f;
+#endif
+    for (; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
+    m[g] = mx;
+    l[g] = sum;
+  }
+  for (int64_t i = 0; i < n; ++i) rows[i] = vrow(t0 + i);
+  std::fill(acc, acc + G * D, 0.f);
+  int64_t d0 = 0;
+#ifdef __AVX2__
+  for (; d0 + 32 <= D; d0 += 32) {
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) accum_v32<3>(rows.data(), scores.data() + g * n, n, n, d0, acc + g * D, D);
+    if (G - g == 2) accum_v32<2>(rows.data(), scores.data() + g * n, n, n, d0, acc + g * D, D);
+    if (G - g == 1) accum_v32<1>(rows.data(), scores.data() + g * n, n, n, d0, acc + g * D, D);
+  }
+#endif
+  if (d0 < D)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * n + i];
+        float* o = acc + g * D;
+        for (int64_t d = d0; d < D; ++d) o[d] += p * rows[i][d];
+      }
+}
+
+}  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, Hq, D] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), W = bt.size(1);
-  const int64_t G = Hq / Hk;
+  const int64_t G = Hq / Hk, qstride = q.stride(0);
   auto out = torch::zeros({B, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -59,41 +203,97 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: for each sequence b, head h, chunk c of its window [start, L). first[b] is the index
+  // of (b, 0, 0); sequence b has nch[b] chunks per head.
+  std::vector<int64_t> first(B + 1, 0), nch(B, 0), start(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = lp[b];
+    start[b] = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    nch[b] = L > start[b] ? (L - start[b] + kChunk - 1) / kChunk : 0;
+    first[b + 1] = first[b] + Hk * nch[b];
+  }
+  const int64_t tasks = first[B];
+  if (tasks == 0) return out;
+  const int64_t part = G * (D + 2);  // m[G], l[G], acc[G * D] per task
+  std::vector<float> partial(tasks * part);
+  std::vector<int64_t> task_seq(tasks);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = first[b]; j < first[b + 1]; ++j) task_seq[j] = b;
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / Hk, h = job % Hk;
-      const int64_t L = lp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - start;
-      if (n <= 0) continue;
-      scores.assign(G * n, 0.f);
-      const float* qg = qp + (b * Hq + h * G) * D;
-      for (int64_t t = start; t < L; ++t) {
-        const int64_t block = btp[b * W + t / BS];
-        const float* krow = kp + ((block * BS + t % BS) * Hk + h) * D;
+    std::vector<const float*> rows;
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t b = task_seq[j], r = j - first[b], h = r / nch[b], c = r % nch[b];
+      const int64_t t0 = start[b] + c * kChunk, t1 = std::min(lp[b], t0 + kChunk);
+      const int64_t* table = btp + b * W;
+      auto krow = [&](int64_t t) { return kp + ((table[t / BS] * BS + t % BS) * Hk + h) * D; };
+      auto vrow = [&](int64_t t) { return vp + ((table[t / BS] * BS + t % BS) * Hk + h) * D; };
+      const Task tk{qp + b * qstride + h * G * D, G, D, fscale, cap};
+      float* pt = partial.data() + j * part;
+      attend_chunk(tk, t0, t1, krow, vrow, pt, pt + G, pt + 2 * G, scores, rows);
+      if (nch[b] == 1) {  // the whole window in one chunk: normalize into the output now
+        float* og = op + (b * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {
-          float s = dot(qg + g * D, krow, D) * fscale;
-          if (cap > 0.f) s = std::tanh(s / cap) * cap;
-          scores[g * n + (t - start)] = s;
+          const float inv = 1.f / pt[G + g];
+          for (int64_t d = 0; d < D; ++d) og[g * D + d] = pt[2 * G + g * D + d] * inv;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-      }
+    }
+  });
+
+  // merge the chunks of each (sequence, head): rescale to the common max, normalize
+  // (sequences of one chunk were written by their task)
+  at::parallel_for(0, B * Hk, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / Hk, h = job % Hk, C = nch[b];
+      if (C <= 1) continue;
       float* og = op + (b * Hq + h * G) * D;
-      for (int64_t t = start; t < L; ++t) {
-        const int64_t block = btp[b * W + t / BS];
-        const float* vrow = vp + ((block * BS + t % BS) * Hk + h) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - start)], vrow, og + g * D, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p0 = partial.data() + (first[b] + h * C) * part;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < C; ++c) mx = std::max(mx, p0[c * part + g]);
+        float lsum = 0.f;
+        float* o = og + g * D;
+        for (int64_t c = 0; c < C; ++c) {
+          const float* pc = p0 + c * part;
+          const float w = std::exp(pc[g] - mx);
+          lsum += w * pc[G + g];
+          const float* a = pc + 2 * G + g * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / lsum;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
     }
   });
   return out;
+}
+
+// k, v: [T, Hk, D] (rows may be strided); caches [num_blocks, block_size, Hk, D]; token t goes to
+// slot slot_mapping[t] (block id * block_size + offset). One call for both caches.
+void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k.scalar_type() == v.scalar_type(), "k, v and the caches must share a dtype");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, Hk, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k and v rows must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  TORCH_CHECK(k_cache.numel() % row == 0 && k_cache.size(2) * k_cache.size(3) == row, "cache rows do not match k");
+  const int64_t slots = k_cache.numel() / row, es = k.element_size();
+  auto sm = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(sm.numel() == T, "one slot per token");
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = sp[t];
+    TORCH_CHECK(s >= 0 && s < slots, "slot ", s, " out of range for a cache of ", slots, " slots");
+    std::memcpy(kc + s * row * es, kp + t * k.stride(0) * es, row * es);
+    std::memcpy(vc + s * row * es, vp + t * v.stride(0) * es, row * es);
+  }
 }
