@@ -80,8 +80,9 @@ def test_cpu_backend_mixed_batch_matches_reference():
     torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.25, 7), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("Hq,Hk,D,window", [(9, 3, 64, None), (14, 2, 64, None), (12, 2, 128, 300), (4, 1, 256, None)])
-def test_cpu_kernel_long_contexts_match_reference(Hq, Hk, D, window):
+def test_cpu_kernel_long_contexts_match_reference(Hq, Hk, D, window, dtype):
     """Contexts spanning several of the kernel's 256-position chunks, at the catalog's head sizes
     (vectorized score, exp and value paths; chunk merging; windows that start mid-chunk)."""
     from turbollm.attention.backend import attend_decode_batch
@@ -92,6 +93,7 @@ def test_cpu_kernel_long_contexts_match_reference(Hq, Hk, D, window):
         pytest.skip("C++ kernels could not be built here (the reference path is used)")
     lens = [600, 257, 256, 9, 1]
     q, kc, vc, meta = _random_paged(lens, [1] * len(lens), Hq, Hk, D, 16, seed=5)
+    kc, vc = kc.to(dtype), vc.to(dtype)  # float16: the reference widens the same stored values
     got = kernels.paged_decode_attention(q.contiguous(), kc, vc, meta.block_tables, torch.tensor(lens), 0.125,
                                          window or -1, 0.0)
     ref = attend_decode_batch(q, kc, vc, meta.block_tables, torch.tensor(lens), 0.125, window, None)
@@ -123,6 +125,10 @@ def test_cpu_backend_write_kv_matches_reference():
     backend.write_kv(k, v, *got, meta)
     AttentionBackend().write_kv(k, v, *ref, meta)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    half = [torch.zeros(nb, bs, Hk, D, dtype=torch.float16) for _ in range(2)]  # float32 rows into a float16 cache
+    backend.write_kv(k * 1e3, v, *half, meta)
+    assert torch.equal(half[0].view(-1, Hk, D)[slots], (k * 1e3).to(torch.float16))
+    assert torch.equal(half[1].view(-1, Hk, D)[slots], v.to(torch.float16))
     meta.slot_mapping = torch.tensor([3, 9, 0, 16, 6])
     with pytest.raises(RuntimeError, match="out of range"):
         backend.write_kv(k, v, *got, meta)

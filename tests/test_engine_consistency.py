@@ -117,3 +117,27 @@ def test_shared_system_prompt_hits_the_prefix_cache(model_path):
     nocache = LLM(model_path, kv_cache_memory=128 << 20, enable_prefix_caching=False, threads=1, quantization=QUANT)
     assert nocache.generate([system + "Question two?"], p, use_tqdm=False)[0].outputs[0].token_ids == \
         second.outputs[0].token_ids
+
+
+def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy(model_path):
+    """kv_cache_dtype="float16": half the bytes per token, the same budget holds twice the tokens,
+    and greedy decoding follows the float32 cache (fp16 storage rounds K/V to 11 significant bits,
+    so the near-tie margin here is 0.05 rather than fp32's 0.01)."""
+    import torch
+
+    from turbollm.errors import InvalidRequestError
+
+    llm32 = LLM(model_path, kv_cache_memory=128 << 20, threads=1, quantization=QUANT)
+    llm16 = LLM(model_path, kv_cache_memory=128 << 20, threads=1, quantization=QUANT, kv_cache_dtype="float16")
+    assert llm16.engine.kv_spec.dtype == torch.float16
+    assert llm16.engine.kv_spec.num_tokens == 2 * llm32.engine.kv_spec.num_tokens
+    prompts = _prompts(llm32, 3, [40, 250, 600])
+    ref, got = _run(llm32, prompts, 24), _run(llm16, prompts, 24)
+    for a, b in zip(ref, got):
+        n = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        if n < len(a.token_ids):
+            assert min(_margins(a)[: n + 1]) < 0.05, "float16 KV diverges with no near-tie"
+        diffs = [abs(a.logprobs[j][a.token_ids[j]].logprob - b.logprobs[j][a.token_ids[j]].logprob) for j in range(n)]
+        assert max(diffs) < 0.02
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
+        LLM(model_path, kv_cache_dtype="int3")

@@ -194,7 +194,8 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
     use_kernels = True
 
     def write_kv(self, k, v, k_cache, v_cache, meta):
-        if self.kernels is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        same = k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.float16)
+        if self.kernels is None or not same or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype:
             return super().write_kv(k, v, k_cache, v_cache, meta)
         self.kernels.paged_write_kv(_rows_contiguous(k), _rows_contiguous(v), k_cache, v_cache, meta.slot_mapping)
 

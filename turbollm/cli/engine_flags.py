@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
 
 
 class QuantizationFlag(argparse._StoreAction):
@@ -32,6 +32,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache budget in GiB")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="K/V storage: auto (= float32) or float16 (half the bytes attention reads; "
+                        "values rounded to fp16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--seed", type=int, default=None)
@@ -44,4 +47,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         block_size=ns.block_size,
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
-        seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching)
+        seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
+        kv_cache_dtype=ns.kv_cache_dtype)

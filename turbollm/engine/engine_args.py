@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import torch
+
 from turbollm.errors import InvalidRequestError
 
 GiB = 1 << 30
@@ -20,6 +22,15 @@ def _available_memory() -> int:
     return 8 * GiB
 
 
+# kv_cache_dtype names -> storage dtype of the paged K/V cache
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "auto": torch.float32,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
 @dataclass
 class EngineArgs:
     model: str = "smollm2-135m"
@@ -34,6 +45,9 @@ class EngineArgs:
     attention_backend: str = "cpu"  # "cpu": C++ decode kernel when it builds; "torch": pure PyTorch
     threads: int | None = None  # torch threads; default: torch's own (all cores)
     dtype: str = "float32"
+    # K/V storage: "auto" = the compute dtype (float32); "float16" halves the bytes decode
+    # attention reads per token (values rounded to fp16 when stored, as llama.cpp's default)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,6 +58,14 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("float32", "auto"):
             raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
+                                      f"{', '.join(KV_CACHE_DTYPES)}")
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def kv_cache_bytes(self) -> int:
         if self.kv_cache_memory is not None:

@@ -25,37 +25,57 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // cached positions per task
 
-static inline float dot(const float* a, const float* b, int64_t n) {
+// Cache element types: float32, or float16 widened on load (F16C).
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(at::Half v) { return static_cast<float>(v); }
+#ifdef __AVX2__
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// Software prefetch of `count` cache rows of `bytes` each: the rows of a paged cache are
+// scattered blocks, which the hardware prefetcher follows poorly (cold caches ran at ~7 GB/s).
+template <class T>
+static inline void prefetch_rows(const T* const* rows, int64_t count, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 3);
+}
+
+template <class T>
+static inline float dot(const float* a, const T* b, int64_t n) {
 #ifdef __AVX2__
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   __m256 acc = _mm256_add_ps(acc0, acc1);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   float r = _mm_cvtss_f32(s);
-  for (; i < n; ++i) r += a[i] * b[i];
+  for (; i < n; ++i) r += a[i] * to_f32(b[i]);
   return r;
 #else
   float r = 0.f;
-  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) r += a[i] * to_f32(b[i]);
   return r;
 #endif
 }
 
 #ifdef __AVX2__
 // Eight dot products q . k_j (j < 8) of length D (a multiple of 8) as one vector.
-static inline __m256 dot8(const float* q, const float* const k[8], int64_t D) {
+template <class T>
+static inline __m256 dot8(const float* q, const T* const k[8], int64_t D) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(k[j] + i), a[j]);
   }
   // transpose-reduce: lane j of the result is the sum of a[j]
   const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
@@ -89,16 +109,16 @@ static inline __m256 exp_nonpos(__m256 x) {
 }
 
 // acc[g][0:32) += sum_t p[g][t] * v_t[d0:d0+32) for NG heads at once (accumulators in registers).
-template <int NG>
-static inline void accum_v32(const float* const* vrows, const float* p, int64_t pstride, int64_t n, int64_t d0,
+template <int NG, class T>
+static inline void accum_v32(const T* const* vrows, const float* p, int64_t pstride, int64_t n, int64_t d0,
                              float* acc, int64_t D) {
   __m256 a[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
   for (int64_t t = 0; t < n; ++t) {
-    const float* v = vrows[t] + d0;
-    const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-    const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+    if (d0 == 0 && t + 8 < n) prefetch_rows(vrows + t + 8, 1, D * sizeof(T));
+    const T* v = vrows[t] + d0;
+    const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
     for (int g = 0; g < NG; ++g) {
       const __m256 w = _mm256_broadcast_ss(p + g * pstride + t);
       a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
@@ -113,27 +133,30 @@ static inline void accum_v32(const float* const* vrows, const float* p, int64_t 
 #endif
 
 // The partial attention of G query heads over cached positions [t0, t1) of one KV head.
-// krow(t) / vrow(t) give row pointers; outputs: m[G], l[G], acc[G * D] (unnormalized).
+// off[i] is the element offset of position t0 + i's row in either cache; outputs: m[G], l[G],
+// acc[G * D] (unnormalized).
 struct Task {
   const float* q;  // [G, D]
   int64_t G, D;
   float scale, cap;
 };
 
-template <class KFn, class VFn>
-void attend_chunk(const Task& tk, int64_t t0, int64_t t1, KFn krow, VFn vrow, float* m, float* l, float* acc,
-                  std::vector<float>& scores, std::vector<const float*>& rows) {
-  const int64_t G = tk.G, D = tk.D, n = t1 - t0;
+template <class T>
+void attend_chunk(const Task& tk, int64_t n, const T* kp, const T* vp, const int64_t* off, float* m, float* l,
+                  float* acc, std::vector<float>& scores, std::vector<const T*>& rows) {
+  const int64_t G = tk.G, D = tk.D;
   scores.resize(G * n);
   rows.resize(n);
-  for (int64_t i = 0; i < n; ++i) rows[i] = krow(t0 + i);
+  for (int64_t i = 0; i < n; ++i) rows[i] = kp + off[i];
   int64_t i0 = 0;
 #ifdef __AVX2__
   if (D % 8 == 0) {
-    for (; i0 + 8 <= n; i0 += 8)
+    for (; i0 + 8 <= n; i0 += 8) {
+      prefetch_rows(rows.data() + i0 + 8, std::min<int64_t>(8, n - i0 - 8), D * sizeof(T));
       for (int64_t g = 0; g < G; ++g)
         _mm256_storeu_ps(scores.data() + g * n + i0,
                          _mm256_mul_ps(dot8(tk.q + g * D, rows.data() + i0, D), _mm256_set1_ps(tk.scale)));
+    }
   }
 #endif
   for (int64_t i = i0; i < n; ++i)
@@ -143,9 +166,17 @@ void attend_chunk(const Task& tk, int64_t t0, int64_t t1, KFn krow, VFn vrow, fl
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * n;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-    float sum = 0.f;
     int64_t i = 0;
+#ifdef __AVX2__
+    __m256 vm = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+    alignas(32) float mlanes[8];
+    _mm256_store_ps(mlanes, vm);
+    for (float f : mlanes) mx = std::max(mx, f);
+#endif
+    for (; i < n; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+    i = 0;
 #ifdef __AVX2__
     __m256 vs = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
@@ -161,7 +192,7 @@ void attend_chunk(const Task& tk, int64_t t0, int64_t t1, KFn krow, VFn vrow, fl
     m[g] = mx;
     l[g] = sum;
   }
-  for (int64_t i = 0; i < n; ++i) rows[i] = vrow(t0 + i);
+  for (int64_t i = 0; i < n; ++i) rows[i] = vp + off[i];
   std::fill(acc, acc + G * D, 0.f);
   int64_t d0 = 0;
 #ifdef __AVX2__
@@ -177,18 +208,14 @@ void attend_chunk(const Task& tk, int64_t t0, int64_t t1, KFn krow, VFn vrow, fl
       for (int64_t g = 0; g < G; ++g) {
         const float p = scores[g * n + i];
         float* o = acc + g * D;
-        for (int64_t d = d0; d < D; ++d) o[d] += p * rows[i][d];
+        for (int64_t d = d0; d < D; ++d) o[d] += p * to_f32(rows[i][d]);
       }
 }
 
-}  // namespace
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, Hq, D] with contiguous rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+template <class T>
+torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                    const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -196,8 +223,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t G = Hq / Hk, qstride = q.stride(0);
   auto out = torch::zeros({B, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -222,16 +249,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> rows;
+    std::vector<const T*> rows;
+    std::vector<int64_t> off;
     for (int64_t j = begin; j < end; ++j) {
       const int64_t b = task_seq[j], r = j - first[b], h = r / nch[b], c = r % nch[b];
       const int64_t t0 = start[b] + c * kChunk, t1 = std::min(lp[b], t0 + kChunk);
       const int64_t* table = btp + b * W;
-      auto krow = [&](int64_t t) { return kp + ((table[t / BS] * BS + t % BS) * Hk + h) * D; };
-      auto vrow = [&](int64_t t) { return vp + ((table[t / BS] * BS + t % BS) * Hk + h) * D; };
+      off.resize(t1 - t0);  // row offsets, walking the block table (no division per position)
+      int64_t blk = t0 / BS, slot = t0 % BS;
+      for (int64_t i = 0; i < t1 - t0; ++i) {
+        off[i] = ((table[blk] * BS + slot) * Hk + h) * D;
+        if (++slot == BS) { slot = 0; ++blk; }
+      }
       const Task tk{qp + b * qstride + h * G * D, G, D, fscale, cap};
       float* pt = partial.data() + j * part;
-      attend_chunk(tk, t0, t1, krow, vrow, pt, pt + G, pt + 2 * G, scores, rows);
+      attend_chunk<T>(tk, t1 - t0, kp, vp, off.data(), pt, pt + G, pt + 2 * G, scores, rows);
       if (nch[b] == 1) {  // the whole window in one chunk: normalize into the output now
         float* og = op + (b * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -270,19 +302,38 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
+              "K/V caches must both be float32 or both float16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, Hq, D] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  if (k_cache.dtype() == torch::kFloat16)
+    return decode_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
+  return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
+}
+
 // k, v: [T, Hk, D] (rows may be strided); caches [num_blocks, block_size, Hk, D]; token t goes to
 // slot slot_mapping[t] (block id * block_size + offset). One call for both caches.
 void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping) {
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
-                  k.scalar_type() == v.scalar_type(), "k, v and the caches must share a dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k and v, and the two caches, must share their dtypes");
+  const bool to_half = k.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat16;
+  TORCH_CHECK(to_half || k.scalar_type() == k_cache.scalar_type(),
+              "k/v must have the cache's dtype (or be float32 for a float16 cache)");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, Hk, D]");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k and v rows must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
   TORCH_CHECK(k_cache.numel() % row == 0 && k_cache.size(2) * k_cache.size(3) == row, "cache rows do not match k");
-  const int64_t slots = k_cache.numel() / row, es = k.element_size();
+  const int64_t slots = k_cache.numel() / row, es = k.element_size(), ces = k_cache.element_size();
   auto sm = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(sm.numel() == T, "one slot per token");
   const int64_t* sp = sm.data_ptr<int64_t>();
@@ -293,7 +344,15 @@ void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = sp[t];
     TORCH_CHECK(s >= 0 && s < slots, "slot ", s, " out of range for a cache of ", slots, " slots");
-    std::memcpy(kc + s * row * es, kp + t * k.stride(0) * es, row * es);
-    std::memcpy(vc + s * row * es, vp + t * v.stride(0) * es, row * es);
+    if (to_half) {  // round to nearest even, as Tensor.to(float16)
+      const float* ks = reinterpret_cast<const float*>(kp + t * k.stride(0) * es);
+      const float* vs = reinterpret_cast<const float*>(vp + t * v.stride(0) * es);
+      at::Half* kd = reinterpret_cast<at::Half*>(kc + s * row * ces);
+      at::Half* vd = reinterpret_cast<at::Half*>(vc + s * row * ces);
+      for (int64_t i = 0; i < row; ++i) { kd[i] = at::Half(ks[i]); vd[i] = at::Half(vs[i]); }
+    } else {
+      std::memcpy(kc + s * row * es, kp + t * k.stride(0) * es, row * es);
+      std::memcpy(vc + s * row * es, vp + t * v.stride(0) * es, row * es);
+    }
   }
 }
