@@ -219,7 +219,8 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
         results["hf"] = {"runs": runs, "best_batch_size": best["batch_size"], "best": best}
     if run_turbo and run_hf:
         results["comparison"] = throughput.side_by_side(results["turbollm"], results["hf"]["best"])
-        print_block("turbollm vs transformers (same requests, threads, fp32)", results["comparison"])
+        print_block("turbollm vs transformers (same requests and threads; transformers in fp32, turbollm as "
+                    "setting.model.weights_dtype says)", results["comparison"])
     record = {"benchmark": "throughput", "setting": setting, "results": results}
     write_json(ns.json, record)
     return record
