@@ -207,6 +207,21 @@ def test_kl_against_perturbed_copy_matches_direct(tiny, perturbed):
     assert both[0]["kld_mean"] < 1e-12 and both[1]["kld_mean"] == pytest.approx(got["kld_mean"], rel=1e-4)
 
 
+def test_float16_kv_candidate_is_measured_against_float32(tiny, tiny_folder, tmp_path):
+    """kv_dtype=float16 rounds the candidate's stored K/V (the reference keeps float32): a small,
+    non-zero KL; and the CLI then measures the model against itself instead of skipping the reference."""
+    plan = plan_windows(_ids(CTX * 4, seed=5), CTX)
+    r = evaluate([tiny], plan, tiny, batch=2, progress=False, kv_dtype=torch.float16)[0]
+    assert 0 < r["kld_mean"] < 1e-3 and r["top1_agreement"] > 90
+    words = " ".join(f"w{t}" for t in _ids(CTX * 6, seed=6))
+    (tmp_path / "text.raw").write_text(words + "\n")
+    out = tmp_path / "kv16.json"
+    assert main(["eval", "ppl", str(tiny_folder), "--data", str(tmp_path / "text.raw"), "--ctx", str(CTX),
+                 "--kv-cache-dtype", "float16", "--threads", "1", "--no-progress", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["kv_cache_dtype"] == "float16" and rec["reference_note"] is None and rec["kld_mean"] > 0
+
+
 # ----------------------------------------------------------------------------- CLI
 def test_cli_tiny_json(tiny_folder, tmp_path, capsys):
     words = " ".join(f"w{t}" for t in _ids(CTX * 10, seed=4))

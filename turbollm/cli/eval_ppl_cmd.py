@@ -9,6 +9,8 @@ import argparse
 import datetime
 import time
 
+from turbollm.engine.engine_args import KV_CACHE_DTYPES
+
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
 QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "dequant")  # as turbollm.eval.perplexity (kept import-light)
 
@@ -45,6 +47,8 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
                    help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw beside the repository)")
     p.add_argument("--qmatmul", choices=list(QMATMUL_MODES), default=None,
                    help="force the candidate's quantized-matmul path (sets TURBOLLM_QMATMUL)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="FILE", default=None, help="write the result to FILE")
@@ -85,7 +89,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     ref, note, ref_model = None, None, ns.reference_model or ns.model
     if ns.no_reference:
         note = "no reference (--no-reference)"
-    elif resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference:
+    elif (resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference
+          and KV_CACHE_DTYPES[ns.kv_cache_dtype] == "float32"):
         note = "the candidate is the reference: KL 0 and top-1 100% by definition, not measured"
     else:
         t0 = time.perf_counter()
@@ -94,7 +99,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         _check_same_tokens(cand, ref, text)
     print(f"{plan.text_tokens} text tokens -> {len(plan.windows)} windows of {ns.ctx} "
           f"({'BOS + ' if plan.bos else ''}text), {plan.tokens} scored ({ns.score})")
-    res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress)[0]
+    res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress,
+                   kv_dtype=getattr(torch, KV_CACHE_DTYPES[ns.kv_cache_dtype]))[0]
     if ref is None and not ns.no_reference:
         res.update(ref_ppl=res["ppl"], delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_median=0.0,
                    kld_p99=0.0, kld_max=0.0, top1_agreement=100.0)
@@ -104,7 +110,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         "reference": None if ns.no_reference else ns.reference,
         "reference_model": None if ns.no_reference else ref_model,
         "reference_weight_MB": round(ref.weight_bytes / 1e6, 2) if ref is not None else None,
-        "reference_note": note, "qmatmul": ns.qmatmul,
+        "reference_note": note, "qmatmul": ns.qmatmul, "kv_cache_dtype": ns.kv_cache_dtype,
         "data": str(data), "ctx": ns.ctx, "batch": ns.batch, "bos_per_window": plan.bos,
         "scoring": {"rule": ns.score, "description": SCORING[ns.score]}, "text_tokens": plan.text_tokens,
         **res, "threads": torch.get_num_threads(), "torch": torch.__version__,

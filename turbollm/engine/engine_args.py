@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import torch
-
 from turbollm.errors import InvalidRequestError
 
 GiB = 1 << 30
@@ -22,12 +20,13 @@ def _available_memory() -> int:
     return 8 * GiB
 
 
-# kv_cache_dtype names -> storage dtype of the paged K/V cache
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "auto": torch.float32,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+# kv_cache_dtype names -> the torch dtype (by name: this module stays import-light for the CLI)
+# of the paged K/V storage
+KV_CACHE_DTYPES: dict[str, str] = {
+    "auto": "float32",
+    "float32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
@@ -58,14 +57,15 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("float32", "auto"):
             raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
-
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")
 
     @property
-    def kv_torch_dtype(self) -> torch.dtype:
-        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+    def kv_torch_dtype(self):
+        import torch
+
+        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
 
     def kv_cache_bytes(self) -> int:
         if self.kv_cache_memory is not None:

@@ -57,15 +57,15 @@ class ParityReport:
                 "prompts": [dict(asdict(p), ok=p.ok) for p in self.prompts]}
 
 
-def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]],
-                       block_size: int = 16) -> tuple[ForwardBatch, list[int]]:
-    """One flat prefill batch of `prompts` over a fresh KV cache sized for them, and the
-    query start offsets (`qsl[i]:qsl[i+1]` are prompt i's rows). No scheduler, no sampler."""
+def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size: int = 16,
+                       kv_dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[int]]:
+    """One flat prefill batch of `prompts` over a fresh KV cache (of `kv_dtype`) sized for them, and
+    the query start offsets (`qsl[i]:qsl[i+1]` are prompt i's rows). No scheduler, no sampler."""
     cfg = loaded.config
     blocks_per = [-(-len(p) // block_size) for p in prompts]
     total_blocks = sum(blocks_per)
     shape = (total_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_layers)]
     tables, slots, qsl, first = [], [], [0], 0
     for p, nb in zip(prompts, blocks_per):
         table = list(range(first, first + nb))

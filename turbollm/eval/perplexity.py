@@ -160,9 +160,11 @@ def qmatmul_mode(mode: str | None) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def scored_logits(loaded: LoadedModel, plan: WindowPlan, idx: Sequence[int]) -> torch.Tensor:
-    """Logits [rows, vocab] of the scored positions of windows `idx`, run as one flat prefill batch."""
-    batch, qsl = flat_prefill_batch(loaded, [plan.windows[i] for i in idx])
+def scored_logits(loaded: LoadedModel, plan: WindowPlan, idx: Sequence[int],
+                  kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits [rows, vocab] of the scored positions of windows `idx`, run as one flat prefill batch
+    (K/V stored in `kv_dtype` and read back from there, as the engine's cache does)."""
+    batch, qsl = flat_prefill_batch(loaded, [plan.windows[i] for i in idx], kv_dtype=kv_dtype)
     hidden = loaded.model(batch)
     rows = torch.cat([torch.arange(qsl[j] + plan.first, qsl[j] + plan.first + plan.counts[i])
                       for j, i in enumerate(idx)])
@@ -217,11 +219,13 @@ def _kl_summary(acc: _Acc) -> dict:
 
 
 def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: LoadedModel | None = None, *,
-             batch: int = 1, qmatmul: str | None = None, progress: bool = True) -> list[dict]:
+             batch: int = 1, qmatmul: str | None = None, progress: bool = True,
+             kv_dtype: torch.dtype = torch.float32) -> list[dict]:
     """Perplexity of each candidate on `plan`'s windows, and KL/top-1/Δppl against `reference` if given.
 
-    The reference runs once per batch of windows, then each candidate (with TURBOLLM_QMATMUL set
-    to `qmatmul` around the candidates only). Returns one dict per candidate.
+    The reference runs once per batch of windows (float32 K/V), then each candidate (with
+    TURBOLLM_QMATMUL set to `qmatmul` and K/V stored in `kv_dtype`, around the candidates only).
+    Returns one dict per candidate.
     """
     if not candidates:
         raise EvalError("no model to evaluate")
@@ -246,7 +250,7 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
             ref_acc.add(ref, targets)
         with qmatmul_mode(qmatmul):
             for acc, cand in zip(accs, candidates):
-                acc.add(scored_logits(cand, plan, idx), targets, ref)
+                acc.add(scored_logits(cand, plan, idx, kv_dtype), targets, ref)
         del ref
         if bar is not None:
             post = {"ppl": f"{accs[0].ppl:.4f}"}
