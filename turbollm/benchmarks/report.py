@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from turbollm.benchmarks.physics import Ceilings, ModelPhysics
+from turbollm.benchmarks.physics import Ceilings, ModelPhysics, measure_read_bandwidth
 
 
 def checkpoint_types(resolved) -> dict[str, dict]:
@@ -64,8 +64,11 @@ def model_setting(resolved, config, phys: ModelPhysics) -> dict[str, Any]:
 
 
 def machine_setting(ceilings: Ceilings) -> dict[str, Any]:
+    """The machine block of a benchmark's setting: the ceilings the percentages use, and the read
+    bandwidth measured now (a quarter-second sum of 256 MB) to judge them by."""
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "ceiling_bandwidth_GBps": ceilings.bandwidth_gbs, "ceiling_fp32_GFLOPs": ceilings.fp32_gflops}
+            "ceiling_bandwidth_GBps": ceilings.bandwidth_gbs, "ceiling_fp32_GFLOPs": ceilings.fp32_gflops,
+            "measured_read_GBps": round(measure_read_bandwidth(), 1)}
 
 
 def engine_setting(args) -> dict[str, Any]:
