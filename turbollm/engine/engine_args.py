@@ -30,6 +30,13 @@ KV_CACHE_DTYPES: dict[str, str] = {
 }
 
 
+def kv_cache_torch_dtype(name: str):
+    """The torch dtype of kv_cache_dtype `name` (a key of KV_CACHE_DTYPES)."""
+    import torch
+
+    return getattr(torch, KV_CACHE_DTYPES[name])
+
+
 @dataclass
 class EngineArgs:
     model: str = "smollm2-135m"
@@ -63,9 +70,7 @@ class EngineArgs:
 
     @property
     def kv_torch_dtype(self):
-        import torch
-
-        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
+        return kv_cache_torch_dtype(self.kv_cache_dtype)
 
     def kv_cache_bytes(self) -> int:
         if self.kv_cache_memory is not None:

@@ -17,9 +17,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+
+#include "vec_math.h"
 
 namespace {
 
@@ -85,27 +84,6 @@ static inline __m256 dot8(const float* q, const T* const k[8], int64_t D) {
   const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
   const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
   return _mm256_add_ps(lo, hi);
-}
-
-// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite range reduction and a degree-6
-// polynomial, ~1 ulp; inputs below -87 give 0.
-static inline __m256 exp_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 // acc[g][0:32) += sum_t p[g][t] * v_t[d0:d0+32) for NG heads at once (accumulators in registers).
@@ -180,7 +158,7 @@ void attend_chunk(const Task& tk, int64_t n, const T* kp, const T* vp, const int
 #ifdef __AVX2__
     __m256 vs = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
       _mm256_storeu_ps(s + i, e);
       vs = _mm256_add_ps(vs, e);
     }
