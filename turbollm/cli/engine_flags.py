@@ -37,6 +37,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
                         "values rounded to fp16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the PyTorch modules (default: decode steps run all layers in "
+                        "one C++ call with the same kernels and the same results)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -48,4 +51,4 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         block_size=ns.block_size,
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
-        kv_cache_dtype=ns.kv_cache_dtype)
+        kv_cache_dtype=ns.kv_cache_dtype, enforce_eager=ns.enforce_eager)

@@ -54,6 +54,9 @@ class EngineArgs:
     # K/V storage: "auto" = the compute dtype (float32); "float16" halves the bytes decode
     # attention reads per token (values rounded to fp16 when stored, as llama.cpp's default)
     kv_cache_dtype: str = "auto"
+    # True: every step runs the layers as PyTorch modules; False: pure-decode steps run all
+    # layers in one C++ call with the same kernels (models/decode_step.py; same results, less Python)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

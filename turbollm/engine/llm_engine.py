@@ -65,7 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, args.block_size, args.max_num_seqs,
                                    max(args.max_num_batched_tokens, args.block_size))
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(self.kv_spec), args.block_size,
-                                  get_attention_backend(args.attention_backend))
+                                  get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager)
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()

@@ -29,8 +29,9 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 backend: AttentionBackend):
+                 backend: AttentionBackend, fused_decode: bool = True):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
+        self.fused_decode = fused_decode  # pure-decode steps may run their layers in one C++ call
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
@@ -50,7 +51,8 @@ class ModelRunner:
             tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int64)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), qsl, seq_lens, tables, bs)
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta,
-                            self.kv_caches, self.backend, max_position=max(seq_lens) - 1)
+                            self.kv_caches, self.backend, max_position=max(seq_lens) - 1,
+                            fused_decode=self.fused_decode)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate the K/V of block src into block dst in every layer."""

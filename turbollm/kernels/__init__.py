@@ -1,9 +1,13 @@
 """C++ CPU kernels, compiled on first use with torch.utils.cpp_extension and cached.
 
-`get_kernels()` returns the compiled CPU kernel module and `get_quant_kernels()` the
-quantized-matmul module (csrc/quant_*.cpp, used by kernels/quant.py); each returns None when it
-cannot be built (no compiler, no ninja, TURBOLLM_NO_KERNELS=1); callers then use the pure-PyTorch
-reference beside each kernel, and one log line says so.
+One extension, ``turbollm_kernels``, is built from every ``csrc/*.cpp``: decode attention,
+the fused element-wise ops, the quantized matmuls and the fused decode step (which calls the
+others without Python, so they must live in one module). `get_kernels()` returns it (and
+`get_quant_kernels()`, the name kernels/quant.py uses, the same module), or None when it cannot be
+built (no compiler, no ninja, TURBOLLM_NO_KERNELS=1); callers then use the pure-PyTorch reference
+beside each kernel, and one log line says so. ``-ffp-contract=off`` keeps the dequantizers'
+multiply-then-add bit-exact with the PyTorch decoders (the other kernels write their FMAs as
+intrinsics).
 
 Builds land in ``~/.cache/turbollm/kernels/<module>`` (``TURBOLLM_KERNEL_CACHE`` moves it), so
 only the first process pays the ~1 minute of compilation. Concurrent processes serialise on an
@@ -24,7 +28,6 @@ logger = logging.getLogger("turbollm")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 CSRC = Path(__file__).parent / "csrc"
-_CPU_SOURCES = ("cpu_kernels_bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
 
 
 def kernel_cache_root() -> Path:
@@ -77,8 +80,8 @@ def get_kernels():
     """The compiled kernel module, or None (reference paths are used instead)."""
     with _lock:
         if "module" not in _state:
-            _state["module"] = _build("turbollm_cpu_kernels", [str(CSRC / f) for f in _CPU_SOURCES],
-                                      ["-O3", "-march=native", "-fopenmp"], "C++ kernels")
+            _state["module"] = _build("turbollm_kernels", [str(p) for p in sorted(CSRC.glob("*.cpp"))],
+                                      ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], "C++ kernels")
         return _state["module"]
 
 
@@ -92,15 +95,5 @@ def cpu_kernels():
 
 
 def get_quant_kernels():
-    """The compiled quantized-matmul module (csrc/quant_*.cpp), or None (quant.py's references run).
-
-    Separate from `get_kernels()` so that each module rebuilds only when its own sources change;
-    TURBOLLM_NO_KERNELS=1 disables it as well. ``-ffp-contract=off`` keeps the dequantizers'
-    multiply-then-add bit-exact with the PyTorch decoders.
-    """
-    with _lock:
-        if "quant" not in _state:
-            _state["quant"] = _build("turbollm_quant_kernels", [str(p) for p in sorted(CSRC.glob("quant_*.cpp"))],
-                                     ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                                     "quantized-matmul kernels")
-        return _state["quant"]
+    """The module holding the quantized matmuls (csrc/quant_*.cpp): the same one as `get_kernels()`."""
+    return get_kernels()

@@ -2,7 +2,7 @@
 
 The one interface the quantized linear methods call. Each function has a plain PyTorch
 reference (decode the weight with the bit-exact ``formats.ggml_types`` decoders, then an fp32
-``F.linear``); the C++ kernels (``csrc/quant_*.cpp``, loaded by ``get_quant_kernels``) replace it
+``F.linear``); the C++ kernels (``csrc/quant_*.cpp``, in the module ``get_quant_kernels`` returns) replace it
 where they exist for the type, and tests (tests/test_quant_kernels.py) hold the two together.
 
 Conventions
@@ -119,6 +119,11 @@ def _resolve_path(m: int, path: str | None) -> str:
     if path not in _PATHS:
         raise ValueError(f"unknown quantized-matmul path {path!r}; expected one of {_PATHS}")
     return path
+
+
+def q8_levels(m: int, path: str | None = None) -> int | None:
+    """Activation levels of the path a call of m tokens takes: 1 (q8), 2 (q8x2), None (dequant)."""
+    return {"q8": 1, "q8x2": 2}.get(_resolve_path(m, path))
 
 
 def _run_linear(mod, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, scale, zero, group: int,

@@ -17,3 +17,4 @@ class ForwardBatch:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V) paged storage
     backend: AttentionBackend
     max_position: int | None = None  # max(positions) when the caller knows it (saves a reduction per layer)
+    fused_decode: bool = False  # a pure-decode step may run its layers in one C++ call (models/decode_step.py)

@@ -15,6 +15,7 @@ from torch import nn
 from turbollm.config import ModelConfig
 from turbollm.layers.norm import RMSNorm
 from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
+from turbollm.models.decode_step import run_layers
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod
 
@@ -26,6 +27,8 @@ def _norm(cfg: ModelConfig) -> RMSNorm:
 
 
 class Gemma3DecoderLayer(nn.Module):
+    fused_decode_kind = "sandwich"  # models/decode_step.py runs this block in C++ (same kernels)
+
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
         super().__init__()
         self.self_attn = SelfAttention(cfg, idx, method, qk_norm_offset=GEMMA_NORM_OFFSET)
@@ -58,9 +61,7 @@ class Gemma3Model(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
+        x, residual = run_layers(self, x, batch)
         return self.norm(x, residual)
 
 

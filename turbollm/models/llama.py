@@ -14,11 +14,14 @@ from torch import nn
 from turbollm.config import ModelConfig
 from turbollm.layers.norm import RMSNorm
 from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
+from turbollm.models.decode_step import run_layers
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod
 
 
 class LlamaDecoderLayer(nn.Module):
+    fused_decode_kind = "pre_norm"  # models/decode_step.py runs this block in C++ (same kernels)
+
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
         super().__init__()
         self.self_attn = SelfAttention(cfg, idx, method)
@@ -45,9 +48,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
+        x, residual = run_layers(self, self.embed_tokens(batch.input_ids), batch)
         return self.norm(x, residual)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
@@ -12,6 +13,20 @@ from turbollm.errors import InvalidRequestError
 from turbollm.quantization.qtensor import QuantizedTensor, as_dense
 
 LINEAR_METHODS: dict[str, type["LinearMethod"]] = {}
+
+#: `DecodeParts` type of a dense float32 part (multiplied by F.linear).
+DENSE_PART = -1
+
+
+@dataclass(frozen=True)
+class DecodeParts:
+    """A linear layer as the fused decode step multiplies by it: output-row parts in order, each a
+    (GGML type with C++ kernels, uint8 blocks) or (DENSE_PART, float32 [rows, K]) pair, their
+    outputs concatenated, then the layer's bias added in place; with `bias_in_linear` (one dense
+    part) the bias goes into the product itself, as ``F.linear(x, w, b)``."""
+
+    parts: tuple[tuple[int, torch.Tensor], ...]
+    bias_in_linear: bool = False
 
 
 def register_linear_method(name: str) -> Callable[[type["LinearMethod"]], type["LinearMethod"]]:
@@ -58,6 +73,11 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
+        """How the fused decode step (models/decode_step.py) multiplies by this layer, exactly as
+        `apply` does for a few tokens on the q8 paths; None: the step is not available for it."""
+        return None
+
     def weight_bytes(self, layer: nn.Module) -> int:
         """Resident bytes of this layer's weight storage."""
         return sum(p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n != "bias")
@@ -80,6 +100,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
+        if layer.weight.dtype != torch.float32:
+            return None
+        return DecodeParts(((DENSE_PART, layer.weight),), bias_in_linear=True)
 
 
 def get_linear_method(name: str | None) -> LinearMethod:

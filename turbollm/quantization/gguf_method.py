@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbollm.errors import WeightLoadError
-from turbollm.kernels.quant import ggml_linear
-from turbollm.quantization.base import LinearMethod, register_linear_method
+from turbollm.kernels.quant import ggml_linear, kernel_supported
+from turbollm.quantization.base import DENSE_PART, DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.qtensor import GGML_F32, QuantizedTensor, ggml_type_name, mark_ggml
 
 
@@ -128,6 +128,12 @@ class GGUFLinearMethod(LinearMethod):
         if bias is not None:
             y += bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
+
+    def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
+        parts = tuple((DENSE_PART if qtype == GGML_F32 else qtype, w) for qtype, w in layer.weight_run)
+        if not parts or not all(qtype == DENSE_PART or kernel_supported(qtype) for qtype, _ in parts):
+            return None
+        return DecodeParts(parts)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in layer.weight_parts)

@@ -5,7 +5,7 @@
 // at decode, where a step is a few hundred tiny ops, dispatch and allocation dominate those
 // ops' cost. float32 only. References: turbollm/layers/{norm,rotary,activation}.py, held
 // together with these by tests/test_fused_ops.py.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 

@@ -10,7 +10,7 @@
 // The chunking depends only on a sequence's own length, never on the batch, so a sequence's
 // output is the same alone and in any batch.
 // Reference: turbollm/attention/backend.py attend_decode_batch (tests hold them together).
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Shared declarations of the quantized-matmul kernels (turbollm/kernels/quant.py is the reference).
 //
 // Plain C++ (no torch headers) so that the kernel translation units compile quickly; only
-// quant_bindings.cpp includes torch.
+// quant_ops.cpp includes torch.
 //
 // Activations are quantized per block to int8 with one fp32 scale d = amax / 127 and
 // q = round_half_even(x * (1 / d)), in one of two block sizes (a weight type names the one

@@ -1,4 +1,4 @@
-// Vector math shared by the turbollm_cpu_kernels translation units (fused_ops.cpp,
+// Vector math shared by the turbollm_kernels translation units (fused_ops.cpp,
 // paged_attention.cpp). AVX2 only; callers keep their scalar paths for other builds.
 #pragma once
 #ifdef __AVX2__

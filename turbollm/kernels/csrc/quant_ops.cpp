@@ -1,7 +1,7 @@
-// Python bindings of the quantized-matmul kernels (module turbollm_quant_kernels).
+// Torch-level entry points of the quantized-matmul kernels (declared in ops.h, bound in bindings.cpp).
 //
-// The only translation unit that includes torch/extension.h. Argument checking lives here;
-// turbollm/kernels/quant.py picks the path (q8 or dequant) and keeps the PyTorch reference.
+// The only quantized-matmul translation unit that includes torch/extension.h. Argument checking
+// lives here; turbollm/kernels/quant.py picks the path (q8 or dequant) and keeps the PyTorch reference.
 // Weight formats: a GGML type id with uint8 w [N, row_bytes]; kInt8 (1000) with int8 w [N, K]
 // and scale [N]; kInt4 (1001) with packed uint8 [N, K / 2], scale / zero [N, K / group].
 #include <torch/extension.h>
@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "ops.h"
 #include "quant_common.h"
 
 namespace {
@@ -18,7 +19,7 @@ using tq::WView;
 
 const TypeKernels& kernels_for(int64_t qtype) {
   const TypeKernels* k = tq::find_kernels((int)qtype);
-  TORCH_CHECK(k != nullptr, "turbollm_quant_kernels: no kernel for type ", qtype);
+  TORCH_CHECK(k != nullptr, "turbollm_kernels: no kernel for type ", qtype);
   return *k;
 }
 
@@ -100,6 +101,8 @@ struct ActScratch {
   }
 };
 thread_local ActScratch act_scratch;
+
+}  // namespace
 
 // x [M, K] -> block 32: (q int8 [R, K], d, s32 [R, K/32], s16 [R, K/16]);
 //             block 256: (q, d [R, K/256], bs16 int16 [R, K/16]);
@@ -221,14 +224,3 @@ bool supported(int64_t qtype) {
   return k != nullptr && k->dot[0] != nullptr;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_act", &quantize_act, "x [M, K] -> quantized activations in blocks of 32 or 256");
-  m.def("act_block", &act_block, "activation block size (32 or 256) of a type's dot kernels");
-  m.def("linear_q8", &linear_q8, "x @ W.T with int8 activations (1 or 2 levels) and integer dot products");
-  m.def("linear_dequant", &linear_dequant, "x @ W.T by row chunks: dequantize to fp32, then mm");
-  m.def("dequant", &dequant, "all rows of a weight as float32 [N, K]");
-  m.def("embedding", &embedding, "rows ids of a weight table as float32 [len(ids), K]");
-  m.def("supported", &supported, "whether a type has kernels");
-}

@@ -1,0 +1,86 @@
+"""The fused decode step (models/decode_step.py, kernels/csrc/decode_step.cpp) against the module path.
+
+The step runs the module path's kernels on the same tensors in the same order, so it must give
+the same bits: greedy tokens and every logprob equal, at batch 1 and batched, for every storage
+case it takes (GGUF types with kernels, a QKV of three parts with a dense one, dense float32 with
+biases inside the product), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
+MQA, a sliding window), both q8 paths (q8x2 by default, q8 with TURBOLLM_QMATMUL=fast) and both
+K/V dtypes. A model it cannot take (int8 weights here) decodes through the modules and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import catalog_model_path
+from quant_tiny import build_tiny
+from test_gguf_native import TINY_PROMPTS, write_tiny_gguf
+from turbollm import LLM, SamplingParams
+
+
+@pytest.fixture
+def qpath():
+    from turbollm.kernels import quant
+
+    yield quant.set_default_path
+    quant.set_default_path(None)
+
+
+def _decode(model: str, prompts, *, eager: bool, max_tokens: int = 8, **kw):
+    """(token ids, logprobs) of each prompt, and the number of steps that took the fused path."""
+    llm = LLM(model, enforce_eager=eager, kv_cache_memory=kw.pop("kv_cache_memory", 1 << 22), threads=2, **kw)
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=4)
+    outs = llm.generate(prompts, p, use_tqdm=False)
+    alone = llm.generate(prompts[:1], p, use_tqdm=False)  # batch 1 decode as well
+    state = llm.engine.runner.model.model.__dict__.get("_decode_step_state")
+    result = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+              for o in outs + alone]
+    return result, (state.steps if state is not None else 0), state
+
+
+def assert_fused_equals_eager(model: str, prompts, **kw) -> None:
+    eager, eager_steps, _ = _decode(model, prompts, eager=True, **kw)
+    fused, fused_steps, state = _decode(model, prompts, eager=False, **kw)
+    assert eager_steps == 0
+    assert fused_steps > 0, f"the fused step never ran ({state.unavailable if state else 'no state'})"
+    assert fused == eager
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("step") / "tiny-mixed.gguf"))
+
+
+@pytest.mark.parametrize("path", ["auto", "fast"])
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_tiny_gguf_every_part_kind(tiny_gguf, qpath, path, kv):
+    """QKV of Q4_0 + dense F32 + Q8_0, gate/up Q8_0 + dense (from F16), Q5_0 and Q4_1 layers."""
+    qpath(path)
+    assert_fused_equals_eager(tiny_gguf, [{"prompt_token_ids": t} for t in TINY_PROMPTS], kv_cache_dtype=kv)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_tiny_dense_architectures(tmp_path_factory, arch):
+    """float32 weights (biases inside F.linear for qwen2); gemma3: sandwich norms, QK-norm, MQA, window 16."""
+    folder = build_tiny(arch, tmp_path_factory.mktemp(f"step-{arch}"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(4, 384, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    assert_fused_equals_eager(str(folder), prompts, max_tokens=12)
+
+
+def test_unsupported_method_decodes_through_the_modules(tmp_path_factory):
+    folder = build_tiny("llama", tmp_path_factory.mktemp("step-int8"))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    result, steps, state = _decode(str(folder), prompts, eager=False, quantization="int8")
+    assert steps == 0 and "Int8LinearMethod has no fused decode product" in state.unavailable
+    assert len(result[0][0]) == 8
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_catalog_models(name):
+    """Real GGUF files: smollm2 (Q4_1 / Q8_0, GQA 3:1), gemma3 (q, k Q5_0 + v Q8_0 parts, MQA, windows)."""
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,"]
+    assert_fused_equals_eager(str(catalog_model_path(name)), prompts, max_tokens=6, kv_cache_memory=1 << 26,
+                              kv_cache_dtype="float16")

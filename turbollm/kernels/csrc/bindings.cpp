@@ -1,0 +1,24 @@
+// Python bindings of the turbollm_kernels extension: decode attention, fused element-wise ops,
+// quantized matmuls (declared in ops.h) and the fused decode step (decode_step.cpp).
+#include "ops.h"
+
+void bind_decode_step(pybind11::module_& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x, optionally after residual += x (in place)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  m.def("rope_", &rope_, "NeoX rotary embedding in place on q and k");
+  m.def("gated_act", &gated_act, "act(gate) * up of a merged [T, 2I] projection (0 = SiLU, 1 = GELU tanh)");
+
+  m.def("quantize_act", &quantize_act, "x [M, K] -> quantized activations in blocks of 32 or 256");
+  m.def("act_block", &act_block, "activation block size (32 or 256) of a type's dot kernels");
+  m.def("linear_q8", &linear_q8, "x @ W.T with int8 activations (1 or 2 levels) and integer dot products");
+  m.def("linear_dequant", &linear_dequant, "x @ W.T by row chunks: dequantize to fp32, then mm");
+  m.def("dequant", &dequant, "all rows of a weight as float32 [N, K]");
+  m.def("embedding", &embedding, "rows ids of a weight table as float32 [len(ids), K]");
+  m.def("supported", &supported, "whether a type has kernels");
+
+  bind_decode_step(m);
+}

@@ -1,0 +1,187 @@
+// The fused decode step: every decoder layer of a llama-family or gemma3 model, for a batch in
+// which each sequence adds one token, in one call from Python.
+//
+// A decode step of a small model is hundreds of short kernels; between them the Python module
+// path spends ~150 us per layer (smollm2-135m) in module calls, argument parsing and dispatch.
+// This object holds, per layer, the tensors and constants those calls would pass and runs the
+// same kernels (ops.h) on the same tensors in the same order, so its result is bit-identical to
+// the module path (tests/test_decode_step.py); only the interpreter between them is gone.
+// turbollm/models/decode_step.py builds it from a loaded model and decides which steps take it.
+#include "ops.h"
+
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t kDense = -1;  // a float32 part, multiplied by at::linear
+
+// A linear layer as its method applies it: parts of output rows (GGML types or dense float32),
+// concatenated, then the bias added in place; or one dense part with the bias inside at::linear.
+struct Linear {
+  std::vector<int64_t> qtypes;
+  std::vector<torch::Tensor> weights;
+  c10::optional<torch::Tensor> bias;
+  bool bias_in_linear = false;
+  int64_t K = 0;
+
+  torch::Tensor part(const torch::Tensor& x, size_t i, int64_t levels) const {
+    if (qtypes[i] == kDense) return at::linear(x, weights[i]);
+    return linear_q8(x, weights[i], qtypes[i], K, c10::nullopt, c10::nullopt, 0, c10::nullopt, levels);
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x, int64_t levels) const {
+    if (bias_in_linear) return at::linear(x, weights[0], bias);
+    torch::Tensor y;
+    if (weights.size() == 1) {
+      y = part(x, 0, levels);
+    } else {
+      std::vector<torch::Tensor> ys;
+      for (size_t i = 0; i < weights.size(); ++i) ys.push_back(part(x, i, levels));
+      y = at::cat(ys, -1);
+    }
+    if (bias) y.add_(*bias);
+    return y;
+  }
+};
+
+struct Layer {
+  torch::Tensor in_norm, post_attn_norm;
+  c10::optional<torch::Tensor> pre_ff_norm, post_ff_norm, q_norm, k_norm;  // gemma3
+  Linear qkv, o, gate_up, down;
+  torch::Tensor cos, sin;  // RoPE tables [P, D / 2]
+  int64_t hq = 0, hk = 0, d = 0, window = -1, act = 0;
+  double eps = 1e-6, scale = 1.0, softcap = 0.0;
+};
+
+c10::optional<torch::Tensor> opt_tensor(const py::dict& s, const char* key) {
+  if (!s.contains(key) || s[key].is_none()) return c10::nullopt;
+  return s[key].cast<torch::Tensor>();
+}
+
+Linear to_linear(const py::dict& s, const char* key) {
+  TORCH_CHECK(s.contains(key), "decode step: layer spec has no '", key, "'");
+  const py::dict l = s[key].cast<py::dict>();
+  Linear out;
+  out.qtypes = l["qtypes"].cast<std::vector<int64_t>>();
+  out.weights = l["weights"].cast<std::vector<torch::Tensor>>();
+  out.K = l["in_features"].cast<int64_t>();
+  out.bias = opt_tensor(l, "bias");
+  out.bias_in_linear = l.contains("bias_in_linear") && l["bias_in_linear"].cast<bool>();
+  TORCH_CHECK(!out.weights.empty() && out.weights.size() == out.qtypes.size(), "decode step: '", key,
+              "' needs one qtype per weight part");
+  TORCH_CHECK(!out.bias_in_linear || (out.weights.size() == 1 && out.qtypes[0] == kDense),
+              "decode step: a bias inside the product needs one dense part");
+  for (size_t i = 0; i < out.weights.size(); ++i)
+    TORCH_CHECK(out.qtypes[i] == kDense || supported(out.qtypes[i]), "decode step: '", key, "' part ", i,
+                " has type ", out.qtypes[i], " without kernels");
+  return out;
+}
+
+torch::Tensor rows_contiguous(const torch::Tensor& x) {
+  return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+}
+
+class DecodeStep {
+ public:
+  // spec keys: in_norm, post_attn_norm, [pre_ff_norm, post_ff_norm, q_norm, k_norm], qkv, o,
+  // gate_up, down (each {qtypes, weights, in_features, [bias], [bias_in_linear]}), cos, sin,
+  // num_heads, num_kv_heads, head_dim, window (-1: none), act (gated_act code), eps, scale,
+  // softcap (0: none). All layers must be of one kind (with or without the gemma3 norms).
+  void add_layer(const py::dict& s) {
+    Layer L;
+    L.in_norm = s["in_norm"].cast<torch::Tensor>();
+    L.post_attn_norm = s["post_attn_norm"].cast<torch::Tensor>();
+    L.pre_ff_norm = opt_tensor(s, "pre_ff_norm");
+    L.post_ff_norm = opt_tensor(s, "post_ff_norm");
+    L.q_norm = opt_tensor(s, "q_norm");
+    L.k_norm = opt_tensor(s, "k_norm");
+    TORCH_CHECK(L.pre_ff_norm.has_value() == L.post_ff_norm.has_value(), "decode step: pre/post FF norms go together");
+    TORCH_CHECK(L.q_norm.has_value() == L.k_norm.has_value(), "decode step: q/k norms go together");
+    TORCH_CHECK(layers_.empty() || layers_[0].pre_ff_norm.has_value() == L.pre_ff_norm.has_value(),
+                "decode step: layers of two kinds");
+    L.qkv = to_linear(s, "qkv");
+    L.o = to_linear(s, "o");
+    L.gate_up = to_linear(s, "gate_up");
+    L.down = to_linear(s, "down");
+    L.cos = s["cos"].cast<torch::Tensor>();
+    L.sin = s["sin"].cast<torch::Tensor>();
+    L.hq = s["num_heads"].cast<int64_t>();
+    L.hk = s["num_kv_heads"].cast<int64_t>();
+    L.d = s["head_dim"].cast<int64_t>();
+    L.window = s["window"].cast<int64_t>();
+    L.act = s["act"].cast<int64_t>();
+    L.eps = s["eps"].cast<double>();
+    L.scale = s["scale"].cast<double>();
+    L.softcap = s["softcap"].cast<double>();
+    layers_.push_back(std::move(L));
+  }
+
+  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "decode step: one K and one V cache per layer");
+    k_ = std::move(k);
+    v_ = std::move(v);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [B, hidden]: the embedded new tokens (one per sequence). Returns (block output, residual
+  // stream) after the last layer, as the module path leaves them for the final norm.
+  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor positions, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, torch::Tensor slot_mapping, int64_t levels) {
+    TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size(), "decode step: no layers or no KV caches");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode step: x must be float32 [B, hidden]");
+    const int64_t B = x.size(0);
+    torch::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      torch::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = rms_norm(x, L.in_norm, L.eps, c10::nullopt);
+      } else {
+        h = rms_norm(x, L.in_norm, L.eps, residual);
+      }
+      const torch::Tensor qkv = L.qkv(h, levels);
+      const int64_t qs = L.hq * L.d, ks = L.hk * L.d;
+      auto parts = qkv.split_with_sizes({qs, ks, ks}, -1);
+      torch::Tensor q = parts[0].reshape({-1, L.hq, L.d});
+      torch::Tensor k = parts[1].reshape({-1, L.hk, L.d});
+      torch::Tensor v = parts[2].reshape({-1, L.hk, L.d});
+      if (L.q_norm) {
+        q = rms_norm(q, *L.q_norm, L.eps, c10::nullopt);
+        k = rms_norm(k, *L.k_norm, L.eps, c10::nullopt);
+      }
+      rope_(q, k, positions, L.cos, L.sin);
+      paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mapping);
+      torch::Tensor a = paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables, seq_lens, L.scale,
+                                               L.window, L.softcap).reshape({B, -1});
+      torch::Tensor o = L.o(a, levels);
+      if (L.pre_ff_norm) {
+        h = rms_norm(rms_norm(o, L.post_attn_norm, L.eps, c10::nullopt), *L.pre_ff_norm, L.eps, residual);
+      } else {
+        h = rms_norm(o, L.post_attn_norm, L.eps, residual);
+      }
+      torch::Tensor m = L.down(gated_act(L.gate_up(h, levels), L.act), levels);
+      x = L.post_ff_norm ? rms_norm(m, *L.post_ff_norm, L.eps, c10::nullopt) : m;
+    }
+    return {x, residual};
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  std::vector<torch::Tensor> k_, v_;
+};
+
+}  // namespace
+
+void bind_decode_step(py::module_& m) {
+  py::class_<DecodeStep>(m, "DecodeStep", "every decoder layer of a decode step in one call (decode_step.cpp)")
+      .def(py::init<>())
+      .def("add_layer", &DecodeStep::add_layer, "append a layer described by a dict of tensors and constants")
+      .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage of every layer")
+      .def("num_layers", &DecodeStep::num_layers)
+      .def("forward", &DecodeStep::forward, "run every layer; returns (block output, residual stream)",
+           py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,32 @@
+// The torch-level entry points of the turbollm_kernels extension, shared by the Python bindings
+// (bindings.cpp) and the fused decode step (decode_step.cpp), which calls them without Python.
+//
+// fused_ops.cpp: rms_norm, rope_, gated_act; paged_attention.cpp: paged_decode_attention,
+// paged_write_kv; quant_ops.cpp: the quantized matmuls (weight formats in quant_ops.cpp's header
+// comment; their PyTorch references in turbollm/kernels/quant.py).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap);
+void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor gated_act(torch::Tensor gate_up, int64_t act);
+
+std::vector<torch::Tensor> quantize_act(torch::Tensor x, int64_t block, int64_t levels);
+torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K,
+                        c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> zero, int64_t group,
+                        c10::optional<torch::Tensor> out, int64_t levels);
+torch::Tensor linear_dequant(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K,
+                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> zero, int64_t group,
+                             c10::optional<torch::Tensor> out, int64_t chunk_rows);
+torch::Tensor dequant(torch::Tensor w, int64_t qtype, int64_t K, c10::optional<torch::Tensor> scale,
+                      c10::optional<torch::Tensor> zero, int64_t group, c10::optional<torch::Tensor> out);
+torch::Tensor embedding(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor ids);
+int64_t act_block(int64_t qtype);
+bool supported(int64_t qtype);
