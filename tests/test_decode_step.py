@@ -4,7 +4,8 @@ The step runs the module path's kernels on the same tensors in the same order, s
 the same bits: greedy tokens and every logprob equal, at batch 1 and batched, for every storage
 case it takes (GGUF types with kernels, a QKV of three parts with a dense one, dense float32 with
 biases inside the product), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
-MQA, a sliding window), both q8 paths (q8x2 by default, q8 with TURBOLLM_QMATMUL=fast) and both
+MQA, a sliding window), every integer path (q16, and q8x2 for the types without it, by default;
+q8x2 forced; q8 with TURBOLLM_QMATMUL=fast) and both
 K/V dtypes. A model it cannot take (int8 weights here) decodes through the modules and says why.
 """
 
@@ -52,7 +53,7 @@ def tiny_gguf(tmp_path_factory):
     return str(write_tiny_gguf(tmp_path_factory.mktemp("step") / "tiny-mixed.gguf"))
 
 
-@pytest.mark.parametrize("path", ["auto", "fast"])
+@pytest.mark.parametrize("path", ["auto", "fast", "q8x2"])
 @pytest.mark.parametrize("kv", ["auto", "float16"])
 def test_tiny_gguf_every_part_kind(tiny_gguf, qpath, path, kv):
     """QKV of Q4_0 + dense F32 + Q8_0, gate/up Q8_0 + dense (from F16), Q5_0 and Q4_1 layers."""

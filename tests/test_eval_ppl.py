@@ -159,7 +159,7 @@ def test_qmatmul_mode_sets_and_restores(monkeypatch):
         assert os.environ[QMATMUL_ENV] == "q8"
         assert quant._resolve_path(512, None) == "q8"
     assert QMATMUL_ENV not in os.environ
-    assert quant._resolve_path(1, None) == "q8x2" and quant._resolve_path(512, None) == "dequant"  # auto
+    assert quant._resolve_path(1, None) == "q16" and quant._resolve_path(512, None) == "dequant"  # auto
     monkeypatch.setenv(QMATMUL_ENV, "dequant")
     with qmatmul_mode("q8x2"):
         assert os.environ[QMATMUL_ENV] == "q8x2"

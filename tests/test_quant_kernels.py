@@ -3,7 +3,8 @@
 - q8 path: equals ``q8_linear_ref`` (dequantized Q8 activations times the exactly decoded W,
   in float64) to ~1e-5 relative (summation order only), and the exact fp32 product to 2e-2 of
   its largest magnitude (the error of 8-bit activations over random data is ~5e-3); q8x2 (two
-  int8 levels) the same reference with levels=2 and the exact product to 3e-4.
+  int8 levels) the same reference with levels=2 and the exact product to 3e-4; q16 (one 16-bit
+  level, the 32-block types) likewise with levels=16, and q8x2's output for the other types.
 - dequant path: the fp32 product up to sgemm rounding; ``ggml_dequantize`` and
   ``ggml_embedding`` bit-exact with the ``formats.ggml_types`` decoders.
 - without the compiled module every function returns its reference.
@@ -36,13 +37,13 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_q8(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor, qtype: int, levels: int = 1) -> None:
+    levels = Q.levels_for(qtype, levels)
     assert rel_err(y, Q.q8_linear_ref(x, wd, Q.activation_block(qtype), levels)) < Q8_REF_RTOL
     assert rel_err(y, x @ wd.T) < (Q8_EXACT_TOL if levels == 1 else Q8X2_EXACT_TOL)
 
 
 @needs_kernels
-@pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize(("block", "levels"), [(32, 1), (32, 2), (32, 16), (256, 1), (256, 2)])
 def test_activation_quantization_is_bit_exact(block, levels):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 512, generator=gen) * torch.logspace(-3, 3, 5)[:, None]
@@ -71,6 +72,10 @@ def test_ggml_types(qtype):
         x = torch.randn(m, k, generator=gen)
         check_q8(Q.ggml_linear(x, w, qtype, k, path="q8"), x, wd, qtype)
         check_q8(Q.ggml_linear(x, w, qtype, k, path="q8x2"), x, wd, qtype, levels=2)
+        q16 = Q.ggml_linear(x, w, qtype, k, path="q16")
+        check_q8(q16, x, wd, qtype, levels=16)
+        if not Q.kernel_supported16(qtype):  # q8x2, bit for bit
+            assert torch.equal(q16, Q.ggml_linear(x, w, qtype, k, path="q8x2"))
         torch.testing.assert_close(Q.ggml_linear(x, w, qtype, k, path="dequant"), x @ wd.T, rtol=1e-5, atol=1e-5)
 
 
@@ -151,10 +156,16 @@ def test_auto_and_fast_thresholds():
     gen = torch.Generator().manual_seed(8)
     n, k = 20, 256
     w = random_weight(T.Q6_K, n, k, gen)
-    for path, small, limit in (("auto", "q8x2", Q.Q8X2_MAX_TOKENS), ("fast", "q8", Q.Q8_MAX_TOKENS)):
+    w8 = random_weight(T.Q8_0, n, k, gen)
+    assert Q.kernel_supported16(T.Q8_0) and not Q.kernel_supported16(T.Q6_K)
+    for path, small, limit in (("auto", "q16", Q.Q8X2_MAX_TOKENS), ("fast", "q8", Q.Q8_MAX_TOKENS)):
         for m, expect in ((1, small), (limit, small), (limit + 1, "dequant")):
             x = torch.randn(m, k, generator=gen)
             assert torch.equal(Q.ggml_linear(x, w, T.Q6_K, k, path=path), Q.ggml_linear(x, w, T.Q6_K, k, path=expect))
+            assert torch.equal(Q.ggml_linear(x, w8, T.Q8_0, k, path=path), Q.ggml_linear(x, w8, T.Q8_0, k, path=expect))
+    x = torch.randn(1, k, generator=gen)  # q16 is its own path for Q8_0, q8x2 for Q6_K
+    assert not torch.equal(Q.ggml_linear(x, w8, T.Q8_0, k, path="q16"), Q.ggml_linear(x, w8, T.Q8_0, k, path="q8x2"))
+    assert torch.equal(Q.ggml_linear(x, w, T.Q6_K, k, path="q16"), Q.ggml_linear(x, w, T.Q6_K, k, path="q8x2"))
 
 
 @needs_kernels
@@ -215,3 +226,4 @@ def test_real_tensors(model, name):
         x = torch.randn(m, k, generator=gen)
         check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q8"), x, wd, t.qtype)
         check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q8x2"), x, wd, t.qtype, levels=2)
+        check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q16"), x, wd, t.qtype, levels=16)

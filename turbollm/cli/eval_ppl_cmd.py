@@ -12,7 +12,7 @@ import time
 from turbollm.engine.engine_args import KV_CACHE_DTYPES, kv_cache_torch_dtype
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
-QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "dequant")  # as turbollm.eval.perplexity (kept import-light)
+QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "q16", "dequant")  # as turbollm.eval.perplexity (kept import-light)
 
 PPL_HELP = """\
 Perplexity of MODEL on WikiText-2 (raw, test split), in non-overlapping windows of --ctx tokens.
@@ -23,9 +23,10 @@ Scoring (--score): 'all' scores every next-token prediction of a window (ctx-1 t
 Against the reference (default: the same checkpoint with --reference none, i.e. its weights in
 fp32): mean / median / p99 / max of KL(P_ref || P_q) per token, top-1 agreement and delta-ppl,
 like llama.cpp's --kl-divergence. With --qmatmul the candidate's quantized-matmul path is forced:
-in the default (auto) mode decode runs q8x2 (two-level int8 activations) and a prefill of many
-tokens the exact dequantize path, so measure the decode path's KL with --qmatmul q8x2 (and
-llama.cpp's single-level scheme, the 'fast' mode's decode path, with --qmatmul q8)."""
+in the default (auto) mode decode runs q16 (16-bit activations; q8x2, two int8 levels, for the
+types without 16-bit kernels) and a prefill of many tokens the exact dequantize path, so measure
+the decode path's KL with --qmatmul q16 (and llama.cpp's single-level scheme, the 'fast' mode's
+decode path, with --qmatmul q8)."""
 
 
 def add_ppl(esub: argparse._SubParsersAction) -> None:

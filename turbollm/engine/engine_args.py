@@ -21,7 +21,7 @@ def _available_memory() -> int:
 
 
 # kv_cache_dtype names -> the torch dtype (by name: this module stays import-light for the CLI)
-# of the paged K/V storage
+# of the paged K/V storage; "auto" depends on the weights (AUTO_KV_DTYPES)
 KV_CACHE_DTYPES: dict[str, str] = {
     "auto": "float32",
     "float32": "float32",
@@ -29,11 +29,19 @@ KV_CACHE_DTYPES: dict[str, str] = {
     "fp16": "float16",
 }
 
+# What "auto" means per linear method: a GGUF model whose weights stay in their block types runs
+# with llama.cpp's default float16 cache (KL against fp32 K/V: 5e-7 to 3e-6 nats/token measured,
+# docs/BENCHMARKS.md); every other model, the fp32 reference included, keeps float32.
+AUTO_KV_DTYPES: dict[str, str] = {"gguf": "float16"}
 
-def kv_cache_torch_dtype(name: str):
-    """The torch dtype of kv_cache_dtype `name` (a key of KV_CACHE_DTYPES)."""
+
+def kv_cache_torch_dtype(name: str, quantization: str | None = None):
+    """The torch dtype of kv_cache_dtype `name` (a key of KV_CACHE_DTYPES) for a model loaded with
+    linear method `quantization` (which only "auto" depends on)."""
     import torch
 
+    if name == "auto":
+        return getattr(torch, AUTO_KV_DTYPES.get(quantization or "", KV_CACHE_DTYPES["auto"]))
     return getattr(torch, KV_CACHE_DTYPES[name])
 
 
@@ -51,8 +59,9 @@ class EngineArgs:
     attention_backend: str = "cpu"  # "cpu": C++ decode kernel when it builds; "torch": pure PyTorch
     threads: int | None = None  # torch threads; default: torch's own (all cores)
     dtype: str = "float32"
-    # K/V storage: "auto" = the compute dtype (float32); "float16" halves the bytes decode
-    # attention reads per token (values rounded to fp16 when stored, as llama.cpp's default)
+    # K/V storage: "float16" halves the bytes decode attention reads per token (values rounded to
+    # fp16 when stored); "auto": float16 for a GGUF model in its own block types (llama.cpp's
+    # default), float32 (the compute dtype) otherwise
     kv_cache_dtype: str = "auto"
     # True: every step runs the layers as PyTorch modules; False: pure-decode steps run all
     # layers in one C++ call with the same kernels (models/decode_step.py; same results, less Python)
@@ -71,9 +80,9 @@ class EngineArgs:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")
 
-    @property
-    def kv_torch_dtype(self):
-        return kv_cache_torch_dtype(self.kv_cache_dtype)
+    def kv_torch_dtype(self, quantization: str | None = None):
+        """The K/V storage dtype for a model loaded with linear method `quantization`."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, quantization)
 
     def kv_cache_bytes(self) -> int:
         if self.kv_cache_memory is not None:

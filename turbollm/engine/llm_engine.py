@@ -56,7 +56,7 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.kv_spec = KVCacheSpec.from_budget(self.config, args.kv_cache_bytes(), args.block_size,
-                                              args.kv_torch_dtype)
+                                              args.kv_torch_dtype(self.loaded.quantization))
         self.pool = BlockPool(self.kv_spec.num_blocks, enable_caching=args.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s, prefix caching %s)",
                     self.kv_spec.num_blocks, args.block_size, self.kv_spec.num_tokens,

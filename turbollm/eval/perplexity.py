@@ -47,7 +47,7 @@ SCORING = {
             "like llama.cpp's llama-perplexity",
 }
 QMATMUL_ENV = "TURBOLLM_QMATMUL"
-QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "dequant")  # turbollm.kernels.quant's paths
+QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "q16", "dequant")  # turbollm.kernels.quant's paths
 ROW_CHUNK = 128  # rows of logits turned into float64 log-probs at a time (bounds memory on big vocabularies)
 
 

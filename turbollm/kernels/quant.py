@@ -15,7 +15,7 @@ Conventions
   float16 and ``zeros`` uint8 ``[N, K // group]`` (other dtypes are converted per call);
   W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
 
-Three kernel paths compute a product:
+Four kernel paths compute a product:
 - ``q8``: x is quantized to int8 with an fp32 scale per block of 32 values (legacy types, int8,
   int4) or 256 (k-quants, as ggml's Q8_K; ``activation_block``), ``quantize_activations_ref``
   being the bit-exact reference, and multiplied with the weight blocks in integer arithmetic,
@@ -24,15 +24,20 @@ Three kernel paths compute a product:
 - ``q8x2``: as q8 with a second int8 level, the residual x - d q quantized again (x ~ d1 q1 +
   d2 q2, ~15 bits: the activation error shrinks ~100x); both levels go through the kernels as
   two "tokens" of one call, so the weights are still read once (costs ~1.5x q8's arithmetic).
+- ``q16``: one 16-bit level (d = amax / 32767 per block of 32; the error of q8x2) multiplied with
+  ``madd_epi16``, for the types with such kernels (``kernel_supported16``: the 32-blocks Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0); the others take q8x2. Q8_0 weights run at q8's speed this way (the
+  gemma3-270m / qwen2.5-coder-0.5b output matrices: 7.3 vs 8.7 and 5.8 vs 9.2 ms per token).
 - ``dequant``: rows of W are decoded to fp32 in chunks and multiplied with torch's sgemm: exact
   fp32 math, the faster path for many tokens (prefill).
-The default, ``auto``, takes q8x2 up to ``Q8X2_MAX_TOKENS`` tokens and dequant above; ``fast``
-takes q8 up to ``Q8_MAX_TOKENS`` and dequant above (llama.cpp's accuracy, faster decode).
+The default, ``auto``, takes q16 (q8x2 for types without 16-bit kernels) up to
+``Q8X2_MAX_TOKENS`` tokens and dequant above; ``fast`` takes q8 up to ``Q8_MAX_TOKENS`` and
+dequant above (llama.cpp's accuracy, faster decode).
 Measured mean KL of the logits against the fp32 model on 3 parity prompts (~550 positions):
 q8 3.9e-3 (smollm2-135m Q4_1) and 9.1e-3 (gemma3-270m Q4_K_M); q8x2 4.9e-8 and 1.1e-7;
 dequant 0. ``path=`` (or ``set_default_path``, or the environment variable
-``TURBOLLM_QMATMUL=auto|fast|q8|q8x2|dequant`` read at import) picks the path; q8, q8x2 and
-dequant force it for every M, so the accuracy of each can be measured on its own.
+``TURBOLLM_QMATMUL=auto|fast|q8|q8x2|q16|dequant`` read at import) picks the path; q8, q8x2, q16
+and dequant force it for every M, so the accuracy of each can be measured on its own.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from turbollm.kernels import get_quant_kernels
 INT8_PER_CHANNEL = 1000
 INT4_GROUPWISE = 1001
 
-#: "auto": the q8x2 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
+#: "auto": the q16 / q8x2 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
 #: K=1536 N=8960, best of repetitions, scripts/bench_qmatmul.py --q8x2): q8x2 runs at a flat
 #: ~30-45 GOP/s whatever M, dequant + sgemm climbs from ~13 GOP/s at M=2 to ~21 at M=4, ~33 at
 #: M=8 and ~42 at M=12, where they cross (k-quants tie at 12, legacy types already at 8).
@@ -66,7 +71,9 @@ Q8_MAX_TOKENS = 31
 #: and 8960 at M = 64 and 512).
 DEQUANT_CHUNK_ROWS = 128
 
-_PATHS = ("auto", "fast", "q8", "q8x2", "dequant")
+_PATHS = ("auto", "fast", "q8", "q8x2", "q16", "dequant")
+#: activation levels the C++ linear_q8 takes for each integer path (16: one 16-bit level)
+_LEVELS = {"q8": 1, "q8x2": 2, "q16": 16}
 
 
 _cache: dict = {}  # "mod": the loaded module (or None); "types": qtype -> bool
@@ -92,6 +99,18 @@ def _kernels(qtype: int):
     return mod if ok else None
 
 
+def kernel_supported16(qtype: int) -> bool:
+    """Whether ``qtype`` has 16-bit activation (q16) kernels; the q16 path takes q8x2 for the others."""
+    mod = _kernels(qtype)
+    if mod is None:
+        return False
+    types16 = _cache.setdefault("types16", {})
+    ok = types16.get(qtype)
+    if ok is None:
+        ok = types16[qtype] = bool(mod.supported16(int(qtype)))
+    return ok
+
+
 def kernel_supported(qtype: int) -> bool:
     """Whether ``qtype`` (a GGML id, or INT8_PER_CHANNEL / INT4_GROUPWISE) runs on C++ kernels."""
     return _kernels(qtype) is not None
@@ -110,10 +129,11 @@ set_default_path(None)
 
 
 def _resolve_path(m: int, path: str | None) -> str:
-    """The path ("q8", "q8x2" or "dequant") a call of m tokens takes."""
+    """The path ("q8", "q8x2", "q16" or "dequant") a call of m tokens takes (q16: q8x2 for the types
+    without 16-bit kernels)."""
     path = path or _cache["path"]
     if path == "auto":
-        return "q8x2" if m <= Q8X2_MAX_TOKENS else "dequant"
+        return "q16" if m <= Q8X2_MAX_TOKENS else "dequant"
     if path == "fast":
         return "q8" if m <= Q8_MAX_TOKENS else "dequant"
     if path not in _PATHS:
@@ -122,8 +142,14 @@ def _resolve_path(m: int, path: str | None) -> str:
 
 
 def q8_levels(m: int, path: str | None = None) -> int | None:
-    """Activation levels of the path a call of m tokens takes: 1 (q8), 2 (q8x2), None (dequant)."""
-    return {"q8": 1, "q8x2": 2}.get(_resolve_path(m, path))
+    """The C++ ``levels`` of the path a call of m tokens takes: 1 (q8), 2 (q8x2), 16 (q16: 2 for a
+    type without 16-bit kernels, as ``levels_for`` says), None (dequant)."""
+    return _LEVELS.get(_resolve_path(m, path))
+
+
+def levels_for(qtype: int, levels: int) -> int:
+    """``levels`` as a weight of ``qtype`` takes them (the same rule as decode_step.cpp's)."""
+    return 2 if levels == 16 and not kernel_supported16(qtype) else levels
 
 
 def _run_linear(mod, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, scale, zero, group: int,
@@ -138,7 +164,7 @@ def _run_linear(mod, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, scale
     if chosen == "dequant":
         y = mod.linear_dequant(x2, w, qtype, k, scale, zero, group, out2, DEQUANT_CHUNK_ROWS)
     else:
-        y = mod.linear_q8(x2, w, qtype, k, scale, zero, group, out2, 2 if chosen == "q8x2" else 1)
+        y = mod.linear_q8(x2, w, qtype, k, scale, zero, group, out2, levels_for(qtype, _LEVELS[chosen]))
     if out is not None:
         return out
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
@@ -266,9 +292,16 @@ def quantize_activations_ref(x: torch.Tensor, block: int = 32, levels: int = 1) 
     per half block; for block 256 (the k-quants): ``bs16`` int16 ``[R, K/16]``, the integer
     sums of each 16 q. R = M, or 2M with ``levels=2``: rows 2m quantize x and rows 2m + 1 the
     residual x - d q of each block, so that x ~ d1 q1 + d2 q2 (the "q8x2" path).
+    ``levels=16`` (block 32; the "q16" path): ``q`` int16 with d = amax / 32767, then d, s32, s16.
     """
     m, k = x.shape
     x = x.float()
+    if levels == 16:
+        if block != 32:
+            raise ValueError("16-bit activations come in blocks of 32")
+        q, d = _quantize_blocks(x, block, 32767.0)
+        half = q.view(m, k // 16, 16).sum(dim=-1).view(m, k // 32, 2)
+        return (q.to(torch.int16), d, d * half.sum(dim=-1).float(), (d[..., None] * half.float()).reshape(m, k // 16))
     q, d = _quantize_blocks(x, block)
     if levels == 2:
         xq = (q.view(m, k // block, block).float() * d[..., None]).reshape(m, k)
@@ -286,17 +319,17 @@ def quantize_activations_ref(x: torch.Tensor, block: int = 32, levels: int = 1) 
     return q8, d, s32, s16.reshape(m, k // 16)
 
 
-def _quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks(x: torch.Tensor, block: int, qmax: float = 127.0) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``q`` ``[M, K]`` and ``d`` ``[M, K/block]`` of float32 ``x`` (see quantize_activations_ref)."""
     m, k = x.shape
     xb = x.reshape(m, k // block, block)
-    d = xb.abs().amax(dim=-1) / 127.0
+    d = xb.abs().amax(dim=-1) / qmax
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return torch.round(xb * inv[..., None]).to(torch.int32).reshape(m, k), d
 
 
 def q8_linear_ref(x: torch.Tensor, w_dequantized: torch.Tensor, block: int = 32, levels: int = 1) -> torch.Tensor:
-    """What the q8 (levels=1) or q8x2 (levels=2) path computes, up to summation order:
+    """What the q8 (levels=1), q8x2 (levels=2) or q16 (levels=16) path computes, up to summation order:
     (dequantized x) @ W.T in float64, x quantized in blocks of ``block`` (``activation_block``)."""
     q, d = quantize_activations_ref(x, block, levels)[:2]
     r, k = q.shape

@@ -14,11 +14,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("quantize_act", &quantize_act, "x [M, K] -> quantized activations in blocks of 32 or 256");
   m.def("act_block", &act_block, "activation block size (32 or 256) of a type's dot kernels");
-  m.def("linear_q8", &linear_q8, "x @ W.T with int8 activations (1 or 2 levels) and integer dot products");
+  m.def("linear_q8", &linear_q8, "x @ W.T with int8 activations (levels 1 or 2) or int16 ones (16), integer dot products");
   m.def("linear_dequant", &linear_dequant, "x @ W.T by row chunks: dequantize to fp32, then mm");
   m.def("dequant", &dequant, "all rows of a weight as float32 [N, K]");
   m.def("embedding", &embedding, "rows ids of a weight table as float32 [len(ids), K]");
   m.def("supported", &supported, "whether a type has kernels");
+  m.def("supported16", &supported16, "whether a type has 16-bit activation (q16) kernels");
 
   bind_decode_step(m);
 }

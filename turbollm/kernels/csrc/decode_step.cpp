@@ -26,8 +26,11 @@ struct Linear {
   bool bias_in_linear = false;
   int64_t K = 0;
 
+  // levels as linear_q8 takes them; 16 (q16) falls back to 2 (q8x2) for a type without 16-bit
+  // kernels, as kernels/quant.py levels_for does
   torch::Tensor part(const torch::Tensor& x, size_t i, int64_t levels) const {
     if (qtypes[i] == kDense) return at::linear(x, weights[i]);
+    if (levels == 16 && !supported16(qtypes[i])) levels = 2;
     return linear_q8(x, weights[i], qtypes[i], K, c10::nullopt, c10::nullopt, 0, c10::nullopt, levels);
   }
 

@@ -30,3 +30,4 @@ torch::Tensor dequant(torch::Tensor w, int64_t qtype, int64_t K, c10::optional<t
 torch::Tensor embedding(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor ids);
 int64_t act_block(int64_t qtype);
 bool supported(int64_t qtype);
+bool supported16(int64_t qtype);

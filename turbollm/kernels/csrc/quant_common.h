@@ -28,6 +28,7 @@ constexpr int kMaxT = 4;  // tokens per micro-kernel call
 // The quantized activations of M rows; row m of each array starts at m * (K / width).
 struct QAct {
   const int8_t* q = nullptr;      // [M, K]
+  const int16_t* q16 = nullptr;   // 16-bit activations ("q16", block 32 only): [M, K] instead of q
   const float* d = nullptr;       // [M, K / block]
   const float* s32 = nullptr;     // block 32: [M, K / 32]
   const float* s16 = nullptr;     // block 32: [M, K / 16]
@@ -35,6 +36,7 @@ struct QAct {
   int64_t K = 0;
   int64_t block = 32;
   inline const int8_t* qrow(int64_t m) const { return q + m * K; }
+  inline const int16_t* q16row(int64_t m) const { return q16 + m * K; }
   inline const float* drow(int64_t m) const { return d + m * (K / block); }
   inline const float* s32row(int64_t m) const { return s32 + m * (K / 32); }
   inline const float* s16row(int64_t m) const { return s16 + m * (K / 16); }
@@ -44,6 +46,7 @@ struct QAct {
 // Writable buffers of a QAct (the arrays of the other block size may be null).
 struct QActBuf {
   int8_t* q = nullptr;
+  int16_t* q16 = nullptr;  // set (and q null) for 16-bit activations
   float* d = nullptr;
   float* s32 = nullptr;
   float* s16 = nullptr;
@@ -73,6 +76,7 @@ struct TypeKernels {
   int bytes = 0;          // bytes per block
   int act_block = 32;     // activation block size the dot kernels read (32 or 256)
   DotFn dot[kMaxT] = {};  // dot[T - 1] handles T tokens; null when only dequant exists
+  DotFn dot16[kMaxT] = {};  // the same with 16-bit activations (QAct::q16); null when the type has none
   DeqFn deq = nullptr;
 };
 
@@ -97,10 +101,15 @@ constexpr int kTableSize = 12;
 // dequantized values, quantized with its own scales), so that x ~ d1 q1 + d2 q2.
 void quantize_rows(const float* x, int64_t K, int64_t block, int64_t m0, int64_t m1, const QActBuf& out,
                    bool residual);
+// 16-bit activations in blocks of 32: d = amax / 32767, q16 = round_half_even(x * (1 / d)),
+// s32 / s16 as for 8 bits (d * the integer sums). One level, ~the precision of the two 8-bit ones.
+void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, const QActBuf& out);
 
 // quant_gemm.cpp: the threaded drivers (at::parallel_for over output rows).
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out, bool residual);
-void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out);  // out [M, N]
+void quantize_activations16(const float* x, int64_t M, int64_t K, const QActBuf& out);
+// out [M, N]; 16-bit activations (a.q16) take the type's dot16 kernels
+void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out);
 void dequant_rows(const TypeKernels& k, const WView& w, int64_t n0, int64_t n1, float* out);  // [n1 - n0, K]
 void gather_rows(const TypeKernels& k, const WView& w, const int64_t* ids, int64_t count, float* out);
 

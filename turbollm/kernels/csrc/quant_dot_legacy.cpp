@@ -140,23 +140,40 @@ static inline __m256 gather_fp16x8(const uint8_t* p, int64_t stride) {
 
 // Blocks are taken 8 at a time (their scales handled as 8-wide vectors: d * dx, and the offset
 // term c * s32 accumulated in a vector), then one at a time for the remainder.
-template <class B, bool Signed, Off O, int OFF, int T>
+// X16: 16-bit activations (a.q16): the 32 weights widened to int16 and multiplied with madd_epi16
+// (|w| <= 128, |x| <= 32767: each int32 lane sums 4 products, below 2^24: exact in float).
+template <class B, bool Signed, Off O, int OFF, int T, bool X16 = false>
 void dot_legacy(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
   const int64_t nb = w.K / 32;
   const int8_t* xq[T];
+  const int16_t* xq16[T];
   const float *xd[T], *xs[T];
   Acc<T> acc;
   __m256 corr[T];
   float corr1[T] = {};
   alignas(32) float ddx[T][8];
   for (int t = 0; t < T; ++t) {
-    xq[t] = a.qrow(m0 + t); xd[t] = a.drow(m0 + t); xs[t] = a.s32row(m0 + t);
+    if constexpr (X16) xq16[t] = a.q16row(m0 + t); else xq[t] = a.qrow(m0 + t);
+    xd[t] = a.drow(m0 + t); xs[t] = a.s32row(m0 + t);
     corr[t] = _mm256_setzero_ps();
   }
   // one block: j (compile-time after unrolling) picks the accumulation chain and the scale slot
   auto block = [&](const uint8_t* blk, int64_t b, const float* const* scale, int j) {
     const __m256i q = B::quants(blk);
+    if constexpr (X16) {
+      const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+      const __m256i w0 = Signed ? _mm256_cvtepi8_epi16(q0) : _mm256_cvtepu8_epi16(q0);
+      const __m256i w1 = Signed ? _mm256_cvtepi8_epi16(q1) : _mm256_cvtepu8_epi16(q1);
+      for (int t = 0; t < T; ++t) {
+        const __m256i* x = reinterpret_cast<const __m256i*>(xq16[t] + b * 32);
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)),
+                                           _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+        __m256& av = acc.at(t, j);
+        av = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&scale[t][j]), av);
+      }
+      return;
+    }
     const __m256i u = Signed ? _mm256_abs_epi8(q) : q;
     for (int t = 0; t < T; ++t) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * 32));
@@ -197,10 +214,12 @@ void dot_legacy(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out
   for (int t = 0; t < T; ++t) out[t * ostride] = acc.sum(t) + (hsum(corr[t]) + corr1[t]);
 }
 
-#define TQ_FILL_LEGACY(k, ...)                                                              \
-  do {                                                                                      \
-    (k).dot[0] = dot_legacy<__VA_ARGS__, 1>; (k).dot[1] = dot_legacy<__VA_ARGS__, 2>;       \
-    (k).dot[2] = dot_legacy<__VA_ARGS__, 3>; (k).dot[3] = dot_legacy<__VA_ARGS__, 4>;       \
+#define TQ_FILL_LEGACY(k, ...)                                                                          \
+  do {                                                                                                  \
+    (k).dot[0] = dot_legacy<__VA_ARGS__, 1>; (k).dot[1] = dot_legacy<__VA_ARGS__, 2>;                   \
+    (k).dot[2] = dot_legacy<__VA_ARGS__, 3>; (k).dot[3] = dot_legacy<__VA_ARGS__, 4>;                   \
+    (k).dot16[0] = dot_legacy<__VA_ARGS__, 1, true>; (k).dot16[1] = dot_legacy<__VA_ARGS__, 2, true>;   \
+    (k).dot16[2] = dot_legacy<__VA_ARGS__, 3, true>; (k).dot16[3] = dot_legacy<__VA_ARGS__, 4, true>;   \
   } while (0)
 
 void fill_dots(TypeKernels* table) {

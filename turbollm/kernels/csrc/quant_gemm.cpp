@@ -65,7 +65,7 @@ void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64
         const int64_t mend = std::min(M, mc + kTokenChunk);
         for (int64_t m = mc; m < mend; m += kMaxT) {
           const int64_t t = std::min<int64_t>(kMaxT, mend - m);
-          const DotFn dot = k.dot[t - 1];
+          const DotFn dot = a.q16 ? k.dot16[t - 1] : k.dot[t - 1];
           for (int64_t n = r0; n < r1; ++n) dot(w, n, a, m, out + m * N + n, N);
         }
       }
@@ -80,6 +80,16 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t block, c
   }
   at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(x, K, block, m0, m1, out, residual);
+  });
+}
+
+void quantize_activations16(const float* x, int64_t M, int64_t K, const QActBuf& out) {
+  if (M * K < (1 << 16)) {
+    quantize_rows16(x, K, 0, M, out);
+    return;
+  }
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows16(x, K, m0, m1, out);
   });
 }
 

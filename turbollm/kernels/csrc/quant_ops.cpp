@@ -73,6 +73,7 @@ torch::Tensor make_out(const c10::optional<torch::Tensor>& out, int64_t M, int64
 // With levels = 2 each row of x becomes two rows (x and its residual, quant_common.h).
 struct ActScratch {
   std::vector<int8_t> q;
+  std::vector<int16_t> q16;
   std::vector<float> d, s32, s16, y2;
   std::vector<int16_t> bs16;
   tq::QAct quantize(const float* x, int64_t M, int64_t K, int64_t block, int64_t levels) {
@@ -99,6 +100,21 @@ struct ActScratch {
     a.block = block;
     return a;
   }
+  tq::QAct quantize16(const float* x, int64_t M, int64_t K) {
+    auto grow = [](auto& v, int64_t n) { if ((int64_t)v.size() < n) v.resize(n); };
+    grow(q16, M * K);
+    grow(d, M * K / 32);
+    grow(s32, M * K / 32);
+    grow(s16, M * K / 16);
+    tq::QActBuf buf;
+    buf.q16 = q16.data(); buf.d = d.data(); buf.s32 = s32.data(); buf.s16 = s16.data();
+    tq::quantize_activations16(x, M, K, buf);
+    tq::QAct a;
+    a.q16 = buf.q16; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16;
+    a.K = K;
+    a.block = 32;
+    return a;
+  }
 };
 thread_local ActScratch act_scratch;
 
@@ -107,9 +123,23 @@ thread_local ActScratch act_scratch;
 // x [M, K] -> block 32: (q int8 [R, K], d, s32 [R, K/32], s16 [R, K/16]);
 //             block 256: (q, d [R, K/256], bs16 int16 [R, K/16]);
 // R = M rows, or 2M with levels = 2 (rows 2m: x, 2m + 1: its residual).
+// levels = 16: 16-bit activations, block 32 only -> (q int16 [M, K], d, s32, s16).
 std::vector<torch::Tensor> quantize_act(torch::Tensor x, int64_t block, int64_t levels) {
   TORCH_CHECK(block == 32 || block == 256, "block must be 32 or 256");
-  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(levels == 1 || levels == 2 || (levels == 16 && block == 32),
+              "levels must be 1 or 2 (or 16 with block 32)");
+  if (levels == 16) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K a multiple of 32");
+    x = check_x(x, x.size(1));
+    const int64_t M = x.size(0), K = x.size(1);
+    auto q = torch::empty({M, K}, torch::kInt16);
+    auto d = torch::empty({M, K / 32}), s32 = torch::empty({M, K / 32}), s16 = torch::empty({M, K / 16});
+    tq::QActBuf buf;
+    buf.q16 = q.data_ptr<int16_t>(); buf.d = d.data_ptr<float>();
+    buf.s32 = s32.data_ptr<float>(); buf.s16 = s16.data_ptr<float>();
+    tq::quantize_activations16(x.data_ptr<float>(), M, K, buf);
+    return {q, d, s32, s16};
+  }
   TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0, "x must be [M, K] with K a multiple of ", block);
   x = check_x(x, x.size(1));
   const int64_t M = x.size(0), K = x.size(1), R = M * levels;
@@ -133,17 +163,24 @@ std::vector<torch::Tensor> quantize_act(torch::Tensor x, int64_t block, int64_t 
 
 // levels = 1: int8 activations. levels = 2: x ~ d1 q1 + d2 q2, the two rows of a token side by
 // side in one kernel call (each weight block is still decoded and read once), summed at the end.
+// levels = 16: 16-bit activations (types with dot16 kernels: supported16).
 torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K,
                         c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> zero, int64_t group,
                         c10::optional<torch::Tensor> out, int64_t levels) {
-  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(levels == 1 || levels == 2 || levels == 16, "levels must be 1, 2 or 16");
   const TypeKernels& k = kernels_for(qtype);
   TORCH_CHECK(k.dot[0] != nullptr, "no dot kernel for type ", qtype);
+  TORCH_CHECK(levels != 16 || k.dot16[0] != nullptr, "no 16-bit activation kernel for type ", qtype);
   const WView v = make_view(w, qtype, K, scale, zero, group, k);
   x = check_x(x, K);
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = make_out(out, M, N);
   if (M == 0 || N == 0) return y;
+  if (levels == 16) {
+    const tq::QAct a = act_scratch.quantize16(x.data_ptr<float>(), M, K);
+    tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
+    return y;
+  }
   const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels);
   if (levels == 1) {
     tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
@@ -222,5 +259,10 @@ int64_t act_block(int64_t qtype) { return kernels_for(qtype).act_block; }
 bool supported(int64_t qtype) {
   const TypeKernels* k = tq::find_kernels((int)qtype);
   return k != nullptr && k->dot[0] != nullptr;
+}
+
+bool supported16(int64_t qtype) {
+  const TypeKernels* k = tq::find_kernels((int)qtype);
+  return k != nullptr && k->dot16[0] != nullptr;
 }
 
