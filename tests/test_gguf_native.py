@@ -191,7 +191,8 @@ def test_tiny_engine_generates_the_same(tiny_gguf, qpath):
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": t} for t in TINY_PROMPTS]
     outs = {q: [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), quantization=q, kv_cache_memory=1 << 20,
-                                                      threads=1).generate(prompts, p, use_tqdm=False)]
+                                                      threads=1, kv_cache_dtype="float32").generate(prompts, p,
+                                                                                                     use_tqdm=False)]
             for q in (None, "none")}
     assert outs[None] == outs["none"] and all(len(t) == 6 for t in outs[None])
 

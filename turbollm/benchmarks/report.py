@@ -72,8 +72,12 @@ def machine_setting(ceilings: Ceilings) -> dict[str, Any]:
 
 
 def engine_setting(args) -> dict[str, Any]:
+    """The engine arguments, plus the quantized-matmul path (TURBOLLM_QMATMUL, kernels/quant.py)."""
+    from turbollm.kernels.quant import default_path
+
     d = asdict(args)
     d.pop("model", None)
+    d["qmatmul"] = default_path()
     return d
 
 

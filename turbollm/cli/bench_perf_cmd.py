@@ -15,8 +15,9 @@ from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
 from turbollm.errors import BenchmarkError
 
 PHYSICS_NOTES = {
-    "GBps": "weight bytes read per step x steps/s (fp32 resident weights; an untied input-embedding table is "
-            "not counted, a tied one is the LM head); +KV adds the ideal K/V reads of the step's contexts",
+    "GBps": "weight bytes read per step x steps/s (the resident weights in their stored format; an untied "
+            "input-embedding table is not counted, a tied one is the LM head); +KV adds the ideal K/V reads "
+            "of the step's contexts",
     "GFLOPs": "2 x decoder linear params per processed token + 2 x lm_head params per sampled row "
               "(attention QK^T/PV, norms, activations not counted)",
 }

@@ -15,6 +15,7 @@ import torch
 from turbollm.attention import AttentionBackend, AttentionMetadata
 from turbollm.engine.scheduler import SchedulerOutput
 from turbollm.models.common import CausalLM
+from turbollm.models import decode_step
 from turbollm.models.forward_batch import ForwardBatch
 
 
@@ -32,6 +33,7 @@ class ModelRunner:
                  backend: AttentionBackend, fused_decode: bool = True):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.fused_decode = fused_decode  # pure-decode steps may run their layers in one C++ call
+        decode_step.reset(model.model)  # a step built for another runner holds that runner's K/V
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []

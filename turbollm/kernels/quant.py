@@ -128,6 +128,11 @@ def set_default_path(path: str | None) -> None:
 set_default_path(None)
 
 
+def default_path() -> str:
+    """The path calls without ``path=`` take ("auto" unless set or TURBOLLM_QMATMUL says otherwise)."""
+    return _cache["path"]
+
+
 def _resolve_path(m: int, path: str | None) -> str:
     """The path ("q8", "q8x2", "q16" or "dequant") a call of m tokens takes (q16: q8x2 for the types
     without 16-bit kernels)."""

@@ -25,6 +25,7 @@ from turbollm.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVP
                                     copy_checked)
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
+from turbollm.models import decode_step
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod, QuantizedTensor
 from turbollm.quantization.qtensor import as_dense
@@ -169,6 +170,7 @@ class CausalLM(nn.Module):
                     raise WeightLoadError(f"{source}: layer {mname!r}: {e}") from None
         self._compress_vocab_tables()
         self.tie_weights()
+        decode_step.reset(self.model)  # a fused decode step built before holds the old weights
 
     def _compress_vocab_tables(self) -> None:
         """Store dense vocabulary tables in the linear method's `vocab_table_type`, if it names one."""

@@ -41,6 +41,7 @@ class _State:
         self.step = None
         self.kv_ref: list | None = None
         self.rope_len = 0
+        self.rope_tables: list = []  # each layer's cos table the step holds (RoPE growth replaces them)
         self.quantized = False
         self.steps = 0  # steps run fused
         self.unavailable: str | None = None  # why this decoder cannot take the step (logged once)
@@ -70,6 +71,9 @@ def _fused(decoder: nn.Module, x: torch.Tensor, batch: ForwardBatch):
     if state.unavailable is not None:
         return None
     max_pos = batch.max_position if batch.max_position is not None else int(batch.positions.max())
+    if state.step is not None and any(layer.self_attn.rotary.cos is not cos
+                                      for layer, cos in zip(decoder.layers, state.rope_tables)):
+        state.step = None  # the module path grew the RoPE tables since the step was built
     if state.step is None or max_pos >= state.rope_len:
         if state.step is not None:  # the module path grows the RoPE tables; rebuild on the next step
             state.step = None
@@ -93,6 +97,12 @@ def _fused(decoder: nn.Module, x: torch.Tensor, batch: ForwardBatch):
     return state.step.forward(x, batch.positions, meta.block_tables, lens, meta.slot_mapping, levels)
 
 
+def reset(decoder: nn.Module) -> None:
+    """Forget a decoder's built step (its weights and K/V references): after new weights are
+    loaded, or when another runner (with other K/V storage) takes the model."""
+    decoder.__dict__.pop("_decode_step_state", None)
+
+
 def _build(decoder: nn.Module, state: _State) -> None:
     kernels = cpu_kernels()
     reason = None
@@ -111,10 +121,16 @@ def _build(decoder: nn.Module, state: _State) -> None:
         logger.info("turbollm: fused decode step not used for this model (%s); decoding through the modules", reason)
         return
     step = kernels.DecodeStep()
-    for spec in specs:
-        step.add_layer(spec)
+    try:
+        for spec in specs:
+            step.add_layer(spec)
+    except RuntimeError as e:  # a layer the C++ side refuses: decode through the modules
+        state.unavailable = f"the C++ step refused a layer: {str(e).splitlines()[0]}"
+        logger.warning("turbollm: fused decode step not used for this model (%s)", state.unavailable)
+        return
     state.step, state.kv_ref = step, None
     state.rope_len = min(layer.self_attn.rotary._cache_len for layer in decoder.layers)
+    state.rope_tables = [layer.self_attn.rotary.cos for layer in decoder.layers]
     state.quantized = any(q != DENSE_PART for spec in specs for name in ("qkv", "o", "gate_up", "down")
                           for q in spec[name]["qtypes"])
 
