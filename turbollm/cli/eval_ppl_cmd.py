@@ -87,11 +87,12 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     ids, bos = tokenize_text(cand.tokenizer, text)
     plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
 
+    kv_dtype = kv_cache_torch_dtype(ns.kv_cache_dtype)  # "auto": float32 here (the weights alone are measured)
     ref, note, ref_model = None, None, ns.reference_model or ns.model
     if ns.no_reference:
         note = "no reference (--no-reference)"
     elif (resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference
-          and kv_cache_torch_dtype(ns.kv_cache_dtype) == torch.float32):
+          and kv_dtype == torch.float32):
         note = "the candidate is the reference: KL 0 and top-1 100% by definition, not measured"
     else:
         t0 = time.perf_counter()
@@ -101,7 +102,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     print(f"{plan.text_tokens} text tokens -> {len(plan.windows)} windows of {ns.ctx} "
           f"({'BOS + ' if plan.bos else ''}text), {plan.tokens} scored ({ns.score})")
     res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress,
-                   kv_dtype=kv_cache_torch_dtype(ns.kv_cache_dtype))[0]
+                   kv_dtype=kv_dtype)[0]
     if ref is None and not ns.no_reference:
         res.update(ref_ppl=res["ppl"], delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_median=0.0,
                    kld_p99=0.0, kld_max=0.0, top1_agreement=100.0)

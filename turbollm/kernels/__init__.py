@@ -10,7 +10,7 @@ multiply-then-add bit-exact with the PyTorch decoders (the other kernels write t
 intrinsics).
 
 Builds land in ``~/.cache/turbollm/kernels/<module>`` (``TURBOLLM_KERNEL_CACHE`` moves it), so
-only the first process pays the ~1 minute of compilation. Concurrent processes serialise on an
+only the first process pays the ~2-3 minutes of compilation. Concurrent processes serialise on an
 ``flock`` that the OS drops when its holder dies; torch's own ``lock`` file in the build folder
 (which a killed build leaves behind and which would make every later build wait forever) is
 removed under that lock before building.

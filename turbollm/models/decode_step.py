@@ -70,17 +70,16 @@ def _fused(decoder: nn.Module, x: torch.Tensor, batch: ForwardBatch):
         state = decoder._decode_step_state = _State()
     if state.unavailable is not None:
         return None
-    max_pos = batch.max_position if batch.max_position is not None else int(batch.positions.max())
     if state.step is not None and any(layer.self_attn.rotary.cos is not cos
                                       for layer, cos in zip(decoder.layers, state.rope_tables)):
         state.step = None  # the module path grew the RoPE tables since the step was built
-    if state.step is None or max_pos >= state.rope_len:
-        if state.step is not None:  # the module path grows the RoPE tables; rebuild on the next step
-            state.step = None
-            return None
+    if state.step is None:
         _build(decoder, state)
-        if state.step is None or max_pos >= state.rope_len:
+        if state.step is None:
             return None
+    max_pos = batch.max_position if batch.max_position is not None else int(batch.positions.max())
+    if max_pos >= state.rope_len:
+        return None  # the module path grows the tables; the step is rebuilt on them next time
     levels = q8_levels(x.shape[0])
     if levels is None:
         if state.quantized:

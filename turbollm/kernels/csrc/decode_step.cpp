@@ -9,8 +9,6 @@
 // turbollm/models/decode_step.py builds it from a loaded model and decides which steps take it.
 #include "ops.h"
 
-#include <string>
-
 namespace py = pybind11;
 
 namespace {
@@ -21,6 +19,7 @@ constexpr int64_t kDense = -1;  // a float32 part, multiplied by at::linear
 // concatenated, then the bias added in place; or one dense part with the bias inside at::linear.
 struct Linear {
   std::vector<int64_t> qtypes;
+  std::vector<bool> has16;  // per part: the type has 16-bit activation kernels (supported16)
   std::vector<torch::Tensor> weights;
   c10::optional<torch::Tensor> bias;
   bool bias_in_linear = false;
@@ -30,7 +29,7 @@ struct Linear {
   // kernels, as kernels/quant.py levels_for does
   torch::Tensor part(const torch::Tensor& x, size_t i, int64_t levels) const {
     if (qtypes[i] == kDense) return at::linear(x, weights[i]);
-    if (levels == 16 && !supported16(qtypes[i])) levels = 2;
+    if (levels == 16 && !has16[i]) levels = 2;
     return linear_q8(x, weights[i], qtypes[i], K, c10::nullopt, c10::nullopt, 0, c10::nullopt, levels);
   }
 
@@ -76,9 +75,11 @@ Linear to_linear(const py::dict& s, const char* key) {
               "' needs one qtype per weight part");
   TORCH_CHECK(!out.bias_in_linear || (out.weights.size() == 1 && out.qtypes[0] == kDense),
               "decode step: a bias inside the product needs one dense part");
-  for (size_t i = 0; i < out.weights.size(); ++i)
+  for (size_t i = 0; i < out.weights.size(); ++i) {
     TORCH_CHECK(out.qtypes[i] == kDense || supported(out.qtypes[i]), "decode step: '", key, "' part ", i,
                 " has type ", out.qtypes[i], " without kernels");
+    out.has16.push_back(out.qtypes[i] != kDense && supported16(out.qtypes[i]));
+  }
   return out;
 }
 
@@ -126,8 +127,6 @@ class DecodeStep {
     k_ = std::move(k);
     v_ = std::move(v);
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [B, hidden]: the embedded new tokens (one per sequence). Returns (block output, residual
   // stream) after the last layer, as the module path leaves them for the final norm.
@@ -184,7 +183,6 @@ void bind_decode_step(py::module_& m) {
       .def(py::init<>())
       .def("add_layer", &DecodeStep::add_layer, "append a layer described by a dict of tensors and constants")
       .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage of every layer")
-      .def("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, "run every layer; returns (block output, residual stream)",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -70,7 +70,8 @@ torch::Tensor make_out(const c10::optional<torch::Tensor>& out, int64_t M, int64
 }
 
 // The quantized activations, in buffers owned by the calling thread and reused between calls.
-// With levels = 2 each row of x becomes two rows (x and its residual, quant_common.h).
+// With levels = 2 each row of x becomes two rows (x and its residual, quant_common.h); with
+// levels = 16 they are 16-bit (q16 instead of q, block 32).
 struct ActScratch {
   std::vector<int8_t> q;
   std::vector<int16_t> q16;
@@ -78,11 +79,17 @@ struct ActScratch {
   std::vector<int16_t> bs16;
   tq::QAct quantize(const float* x, int64_t M, int64_t K, int64_t block, int64_t levels) {
     auto grow = [](auto& v, int64_t n) { if ((int64_t)v.size() < n) v.resize(n); };
-    const int64_t R = M * levels;
-    grow(q, R * K);
-    grow(d, R * K / block);
+    const bool x16 = levels == 16;
+    const int64_t R = x16 ? M : M * levels;
     tq::QActBuf buf;
-    buf.q = q.data();
+    if (x16) {
+      grow(q16, R * K);
+      buf.q16 = q16.data();
+    } else {
+      grow(q, R * K);
+      buf.q = q.data();
+    }
+    grow(d, R * K / block);
     buf.d = d.data();
     if (block == 32) {
       grow(s32, R * K / 32);
@@ -93,26 +100,12 @@ struct ActScratch {
       grow(bs16, R * K / 16);
       buf.bs16 = bs16.data();
     }
-    tq::quantize_activations(x, M, K, block, buf, levels == 2);
+    if (x16) tq::quantize_activations16(x, M, K, buf);
+    else tq::quantize_activations(x, M, K, block, buf, levels == 2);
     tq::QAct a;
-    a.q = buf.q; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16; a.bs16 = buf.bs16;
+    a.q = buf.q; a.q16 = buf.q16; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16; a.bs16 = buf.bs16;
     a.K = K;
     a.block = block;
-    return a;
-  }
-  tq::QAct quantize16(const float* x, int64_t M, int64_t K) {
-    auto grow = [](auto& v, int64_t n) { if ((int64_t)v.size() < n) v.resize(n); };
-    grow(q16, M * K);
-    grow(d, M * K / 32);
-    grow(s32, M * K / 32);
-    grow(s16, M * K / 16);
-    tq::QActBuf buf;
-    buf.q16 = q16.data(); buf.d = d.data(); buf.s32 = s32.data(); buf.s16 = s16.data();
-    tq::quantize_activations16(x, M, K, buf);
-    tq::QAct a;
-    a.q16 = buf.q16; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16;
-    a.K = K;
-    a.block = 32;
     return a;
   }
 };
@@ -176,13 +169,9 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = make_out(out, M, N);
   if (M == 0 || N == 0) return y;
-  if (levels == 16) {
-    const tq::QAct a = act_scratch.quantize16(x.data_ptr<float>(), M, K);
-    tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
-    return y;
-  }
-  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels);
-  if (levels == 1) {
+  // 16-bit activations come in blocks of 32, which every type with dot16 kernels reads
+  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, levels == 16 ? 32 : k.act_block, levels);
+  if (levels != 2) {
     tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
     return y;
   }
