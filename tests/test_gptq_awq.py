@@ -8,7 +8,8 @@ with x·(1+w) norms, post-branch norms and MQA):
 - folding AWQ scales leaves the float32 function unchanged (to float32 rounding), and AWQ's
   quantized model is closer to the float one than RTN's on the calibration tokens;
 - export → load is exact: every loaded linear dequantizes to the very weights the quantizer
-  produced, and the loaded model's logits equal the in-memory quantized model's;
+  produced (3-bit GPTQ codes resident in 3 bits), and the loaded model's logits equal the
+  in-memory quantized model's;
 - a GGUF source's tokenizer and config survive the trip to tokenizer.json / config.json;
 - an interrupted export leaves no folder behind.
 """
@@ -31,7 +32,7 @@ from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.quantization.checkpoint_layouts import get_layout  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, rtn_quantize  # noqa: E402
-from turbollm.quantization.packing import unpack_nibbles  # noqa: E402
+from turbollm.quantization.int4_method import layer_codes  # noqa: E402
 from turbollm.quantize.awq import AWQAlgorithm, fold_scales  # noqa: E402
 from turbollm.quantize.export_safetensors import write_quantized_folder  # noqa: E402
 from turbollm.quantize.gptq import GPTQAlgorithm  # noqa: E402
@@ -156,7 +157,7 @@ def _loaded_dequantized(layer: LinearBase) -> torch.Tensor:
     if layer.weight.dtype == torch.int8:
         return layer.weight.float() * layer.weight_scale[:, None]
     g = layer.int4_group_size
-    q = unpack_nibbles(layer.weight).float().view(layer.out_features, -1, g)
+    q = layer_codes(layer).float().view(layer.out_features, -1, g)
     w = (q - layer.weight_zeros.float()[..., None]) * layer.weight_scales.float()[..., None]
     w = w.reshape(layer.out_features, -1)
     perm = getattr(layer, "weight_perm", None)
@@ -192,6 +193,8 @@ def test_export_load_round_trip_is_exact(tiny, tmp_path, arch, method, bits, act
     back = load_model(str(out))
     assert back.quantization == spec.layout
     for (name, layer), (_, src_layer) in zip(_linears(back.model), _linears(src.model)):
+        if bits < 8:  # 3-bit codes resident in 3 bits, 4-bit in nibbles
+            assert layer.weight.shape == (layer.out_features, layer.in_features * bits // 8), name
         assert torch.equal(_loaded_dequantized(layer), results[name].dequantize()), name
         assert torch.equal(_loaded_dequantized(layer), src_layer.weight.data), name
         if src_layer.bias is not None:

@@ -113,6 +113,42 @@ def test_int4_groupwise(group):
 
 
 @needs_kernels
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int3_groupwise(group):
+    """3-bit codes packed 12 bytes per 32 (packing.pack_3bit): N odd, several K, M on both sides of
+    the q8 / dequant crossover; the codes take all 8 values, the zero points the whole 0..7."""
+    from turbollm.quantization.packing import pack_3bit
+
+    gen = torch.Generator().manual_seed(100 + group)
+    n = 37
+    assert Q.kernel_supported(Q.INT3_GROUPWISE)
+    for k in (128, 384, 640):
+        if k % group:
+            continue
+        q = torch.randint(0, 8, (n, k), dtype=torch.uint8, generator=gen)
+        packed = pack_3bit(q)
+        assert packed.shape == (n, k // 32 * 12)
+        scales = (torch.rand(n, k // group, generator=gen) * 0.01).half()
+        zeros = torch.randint(0, 8, (n, k // group), dtype=torch.uint8, generator=gen)
+        wd = Q.int3_dequantize_ref(packed, scales, zeros, group)
+        expected = (q.float().view(n, -1, group) - zeros.float()[..., None]) * scales.float()[..., None]
+        assert torch.equal(wd, expected.reshape(n, k))
+        assert torch.equal(Q.int3_dequantize(packed, scales, zeros, group), wd)
+        for m in (1, 3, 9, 40):
+            x = torch.randn(m, k, generator=gen)
+            check_q8(Q.int3_linear(x, packed, scales, zeros, group, path="q8"), x, wd, Q.INT3_GROUPWISE)
+            check_q8(Q.int3_linear(x, packed, scales, zeros, group, path="q8x2"), x, wd, Q.INT3_GROUPWISE, levels=2)
+            torch.testing.assert_close(Q.int3_linear(x, packed, scales, zeros, group, path="dequant"), x @ wd.T,
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(Q.int3_linear(x, packed, scales, zeros, group), x @ wd.T,
+                                       rtol=3e-4, atol=3e-4 * float((x @ wd.T).abs().max()))  # auto
+    with pytest.raises(RuntimeError, match="int3 weight must be uint8"):  # int4-sized rows under the int3 id
+        get_quant_kernels().dequant(torch.zeros(n, 64, dtype=torch.uint8), Q.INT3_GROUPWISE, 128,
+                                    scales[:, :128 // group].contiguous(), zeros[:, :128 // group].contiguous(),
+                                    group, None)
+
+
+@needs_kernels
 def test_paths_out_and_leading_dims(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     n, k = 20, 256
@@ -200,6 +236,9 @@ def test_fallback_without_kernels(monkeypatch):
     pk = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     sc, z = torch.rand(n, 4).half(), torch.randint(0, 16, (n, 4), dtype=torch.uint8)
     assert torch.equal(Q.int4_linear(x, pk, sc, z, 64), Q.int4_linear_ref(x, pk, sc, z, 64))
+    p3 = torch.randint(0, 256, (n, k // 32 * 12), dtype=torch.uint8)
+    assert torch.equal(Q.int3_linear(x, p3, sc, z, 64), Q.int3_linear_ref(x, p3, sc, z, 64))
+    assert torch.equal(Q.int3_dequantize(p3, sc, z, 64), Q.int3_dequantize_ref(p3, sc, z, 64))
 
 
 REAL_TENSORS = [

@@ -1,10 +1,12 @@
 """Runtime quantization methods (int8, int4/int3 at load; GPTQ/AWQ checkpoint layouts) and bad input.
 
-- packing: our nibbles, the int32 bit streams of GPTQ (3-bit codes straddling words as in
-  AutoGPTQ's scheme) and AWQ's interleaved order round-trip and match hand-written references;
+- packing: our nibbles and 3-bit blocks, the int32 bit streams of GPTQ (3-bit codes straddling
+  words as in AutoGPTQ's scheme) and AWQ's interleaved order round-trip and match hand-written
+  references;
 - "int8" / "int4-g32" / "int3-g64" at load: every linear holds only the quantized layout (no
-  float32 matrix), multiplies like an fp32 matmul by its dequantized weight, and the model's
-  resident bytes are exactly the format's; act-order storage permutes the input;
+  float32 matrix; 3-bit codes in 3 bits), multiplies like an fp32 matmul by its dequantized
+  weight, and the model's resident bytes are exactly the format's; act-order storage permutes
+  the input (4-bit and 3-bit);
 - quantized checkpoints that are broken (missing or dense tensors, inconsistent g_idx, bad
   quantization_config) and bad `turbollm quantize` options fail with errors that name the
   problem, before any work.
@@ -33,9 +35,9 @@ from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.quantization.footprint import format_bytes  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, int8_per_channel, rtn_quantize  # noqa: E402
-from turbollm.quantization.int4_method import Int4LinearMethod, set_int4_weight  # noqa: E402
-from turbollm.quantization.packing import (pack_awq, pack_int32, pack_nibbles, unpack_awq, unpack_int32,  # noqa: E402
-                                           unpack_nibbles)
+from turbollm.quantization.int4_method import Int4LinearMethod, layer_codes, set_int4_weight  # noqa: E402
+from turbollm.quantization.packing import (pack_3bit, pack_awq, pack_int32, pack_nibbles, unpack_3bit,  # noqa: E402
+                                           unpack_awq, unpack_int32, unpack_nibbles)
 from turbollm.quantize.methods import QuantizeOptions  # noqa: E402
 from turbollm.quantize.runner import run_quantize  # noqa: E402
 
@@ -116,6 +118,24 @@ def test_awq_order_and_nibbles():
     assert torch.equal(unpack_nibbles(packed), q)
 
 
+def test_3bit_packing():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 8, (5, 96), dtype=torch.uint8, generator=g)
+    packed = pack_3bit(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 96 // 32 * 12)
+    assert torch.equal(unpack_3bit(packed), q)
+    # the documented layout, block by block: byte j holds the low 2 bits of codes j, j+8, j+16,
+    # j+24 at shifts 0, 2, 4, 6; bytes 8..11 a little-endian uint32 whose bit i is bit 2 of code i
+    for r in range(5):
+        for b in range(3):
+            blk, c = packed[r, 12 * b:12 * b + 12].tolist(), q[r, 32 * b:32 * b + 32].tolist()
+            assert blk[:8] == [sum((c[j + 8 * s] & 3) << (2 * s) for s in range(4)) for j in range(8)]
+            assert int.from_bytes(bytes(blk[8:]), "little") == sum(((v >> 2) & 1) << i for i, v in enumerate(c))
+    assert torch.equal(unpack_3bit(pack_3bit(q.view(5, 3, 32))), q.view(5, 3, 32))  # leading dims
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        pack_3bit(q[:, :48])
+
+
 def test_grid_keeps_one_sided_groups_and_fp16_scales():
     w = torch.tensor([[0.0, 0.1, 0.5, 1.5], [-2.0, -1.0, -0.5, -0.25]])
     for zero_min in (0, 1):
@@ -134,7 +154,7 @@ def _dequantized(layer: LinearBase) -> torch.Tensor:
     if layer.weight.dtype == torch.int8:
         return layer.weight.float() * layer.weight_scale[:, None]
     g = layer.int4_group_size
-    q = unpack_nibbles(layer.weight).float().view(layer.out_features, -1, g)
+    q = layer_codes(layer).float().view(layer.out_features, -1, g)
     w = (q - layer.weight_zeros.float()[..., None]) * layer.weight_scales.float()[..., None]
     return w.reshape(layer.out_features, -1)
 
@@ -163,9 +183,11 @@ def test_method_at_load_matches_dequantized_reference(tiny_llama, method, bits, 
             expected_bytes += n * k + 4 * n - 4 * n * k
         else:
             ref = rtn_quantize(w, QuantGrid(bits), group)
-            assert torch.equal(unpack_nibbles(ql.weight), ref.q) and int(ref.q.max()) < (1 << bits)
+            unpack = unpack_3bit if bits == 3 else unpack_nibbles
+            assert ql.weight.shape == (n, k * bits // 8)  # 3-bit codes in 3 bits, 4-bit in nibbles
+            assert torch.equal(unpack(ql.weight), ref.q) and int(ref.q.max()) < (1 << bits)
             assert torch.equal(_dequantized(ql), ref.dequantize())
-            expected_bytes += n * k // 2 + (2 + 1) * n * (k // group) - 4 * n * k  # fp16 scale, uint8 zero
+            expected_bytes += n * k * bits // 8 + (2 + 1) * n * (k // group) - 4 * n * k  # fp16 scale, uint8 zero
         x = torch.randn(7, k)
         ref_y = F.linear(x, _dequantized(ql), ql.bias)
         assert torch.allclose(ql(x), ref_y, rtol=1e-4, atol=1e-5)
@@ -192,28 +214,44 @@ def test_format_bytes_counts_the_format_not_the_container(tiny_llama, method, bi
     expected = q.weight_bytes
     for _, layer in _linears(q.model):
         n, k = layer.out_features, layer.in_features
-        held = layer.weight.numel() + 3 * layer.weight_scales.numel()  # nibbles, fp16 scale, uint8 zero
-        assert held == n * k // 2 + 3 * n * (k // group)
+        held = layer.weight.numel() + 3 * layer.weight_scales.numel()  # codes, fp16 scale, uint8 zero
+        assert held == n * k * bits // 8 + 3 * n * (k // group)  # 3-bit codes in 3 bits
+        assert held == layer.method.weight_bytes(layer)
         expected += n * k * (bits + (16 + bits) / group) / 8 - held
+        # resident / format of the layer: (b + 24/g) / (b + (16 + b)/g), within 10%
+        assert held / (layer.method.format_bits(layer) * n * k / 8) == pytest.approx(
+            (bits + 24 / group) / (bits + (16 + bits) / group))
+        assert held / (layer.method.format_bits(layer) * n * k / 8) < 1.1
     assert format_bytes(q.model) == pytest.approx(expected)
 
 
-def test_act_order_storage_permutes_the_input():
+@pytest.mark.parametrize("bits", [4, 3])
+def test_act_order_storage_permutes_the_input(bits):
     g = torch.Generator().manual_seed(0)
     n, k, group = 24, 64, 32
     w = torch.randn(n, k, generator=g)
     perm = torch.randperm(k, generator=g)
-    stored = rtn_quantize(w[:, perm], QuantGrid(4), group)
-    qw = QuantizedWeight(stored.q, stored.scales, stored.zeros, 4, group, perm)
+    stored = rtn_quantize(w[:, perm], QuantGrid(bits), group)
+    qw = QuantizedWeight(stored.q, stored.scales, stored.zeros, bits, group, perm)
     layer = torch.nn.Module()
     layer.in_features, layer.out_features = k, n
-    method = Int4LinearMethod(4, group, prequantized=True, act_order=True)
+    method = Int4LinearMethod(bits, group, prequantized=True, act_order=True)
     layer.weight_loader = None
     method.create_weights(layer, k, n, torch.float32)
+    assert layer.weight.shape == (n, k * bits // 8)
     set_int4_weight(layer, qw)
+    assert layer.weight.shape == (n, k * bits // 8) and torch.equal(layer_codes(layer), stored.q)
     x = torch.randn(5, k, generator=g)
     assert torch.allclose(method.apply(layer, x, None), F.linear(x, qw.dequantize()), rtol=1e-5, atol=1e-5)
     assert torch.equal(qw.group_index()[perm], torch.arange(k, dtype=torch.int32) // group)
+
+
+def test_int3_needs_whole_blocks_of_32_columns():
+    layer = torch.nn.Module()
+    layer.weight_loader = None
+    with pytest.raises(InvalidRequestError, match="48 input features are not a multiple of 32"):
+        Int4LinearMethod(3, 16, prequantized=True).create_weights(layer, 48, 8, torch.float32)
+    Int4LinearMethod(4, 16, prequantized=True).create_weights(layer, 48, 8, torch.float32)  # nibbles: fine
 
 
 def test_bad_quantization_names(tiny_llama):

@@ -14,10 +14,12 @@ Conventions
 - int4 group-wise: ``packed`` uint8 ``[N, K // 2]`` (low nibble = even column), ``scales``
   float16 and ``zeros`` uint8 ``[N, K // group]`` (other dtypes are converted per call);
   W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
+- int3 group-wise: the same with 3-bit codes packed 12 bytes per 32 (``packed`` uint8
+  ``[N, K // 32 * 12]``, ``quantization.packing.pack_3bit``; K a multiple of 32).
 
 Four kernel paths compute a product:
 - ``q8``: x is quantized to int8 with an fp32 scale per block of 32 values (legacy types, int8,
-  int4) or 256 (k-quants, as ggml's Q8_K; ``activation_block``), ``quantize_activations_ref``
+  int4, int3) or 256 (k-quants, as ggml's Q8_K; ``activation_block``), ``quantize_activations_ref``
   being the bit-exact reference, and multiplied with the weight blocks in integer arithmetic,
   reading each weight byte once per call. Fast for few tokens (decode); not exact: its
   reference is ``F.linear(dequantized x, W)`` (``q8_linear_ref``).
@@ -50,9 +52,10 @@ import torch.nn.functional as F
 from turbollm.formats.ggml_types import dequantize, dequantize_rows
 from turbollm.kernels import get_quant_kernels
 
-#: Type ids of the two non-GGML formats in the C++ kernel table.
+#: Type ids of the non-GGML formats in the C++ kernel table.
 INT8_PER_CHANNEL = 1000
 INT4_GROUPWISE = 1001
+INT3_GROUPWISE = 1002
 
 #: "auto": the q16 / q8x2 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
 #: K=1536 N=8960, best of repetitions, scripts/bench_qmatmul.py --q8x2): q8x2 runs at a flat
@@ -112,7 +115,7 @@ def kernel_supported16(qtype: int) -> bool:
 
 
 def kernel_supported(qtype: int) -> bool:
-    """Whether ``qtype`` (a GGML id, or INT8_PER_CHANNEL / INT4_GROUPWISE) runs on C++ kernels."""
+    """Whether ``qtype`` (a GGML id, or INT8_PER_CHANNEL / INT4_GROUPWISE / INT3_GROUPWISE) runs on C++ kernels."""
     return _kernels(qtype) is not None
 
 
@@ -222,7 +225,7 @@ def ggml_linear_ref(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> tor
 
 
 # ---------------------------------------------------------------------------------------------
-# int8 per-channel and int4 group-wise
+# int8 per-channel, int4 and int3 group-wise
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -242,40 +245,81 @@ def int8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> to
 
 def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
     """A group-wise int4 weight as float32 ``[N, K]``."""
-    mod = _kernels(INT4_GROUPWISE)
-    if mod is not None and group % 32 == 0 and packed.is_contiguous():
-        k = packed.shape[1] * 2
-        return mod.dequant(packed, INT4_GROUPWISE, k, *_int4_meta(scales, zeros), group, None)
-    return int4_dequantize_ref(packed, scales, zeros, group)
-
-
-def _int4_meta(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's int4 metadata: float16 scales and uint8 zero points (no copy when already so)."""
-    return scales.to(torch.float16).contiguous(), zeros.to(torch.uint8).contiguous()
+    return _groupwise_dequantize(INT4_GROUPWISE, packed, packed.shape[1] * 2, scales, zeros, group)
 
 
 def int4_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
     """Reference of ``int4_dequantize``."""
     n = packed.shape[0]
-    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).float()
-    q = q.view(n, -1, group)
-    return ((q - zeros.float()[:, :, None]) * scales.float()[:, :, None]).reshape(n, -1)
+    return _apply_groups(torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1), scales, zeros, group)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group: int, *, out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     """``x @ W.T`` for a group-wise int4 weight."""
-    mod = _kernels(INT4_GROUPWISE)
-    k = packed.shape[1] * 2
-    if mod is None or group % 32 or k % group or not packed.is_contiguous():
-        return _result(int4_linear_ref(x, packed, scales, zeros, group), out)
-    return _run_linear(mod, x, packed, INT4_GROUPWISE, k, *_int4_meta(scales, zeros), group, out, path)
+    return _groupwise_linear(INT4_GROUPWISE, x, packed, packed.shape[1] * 2, scales, zeros, group, out, path)
 
 
 def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group: int) -> torch.Tensor:
     """Reference of ``int4_linear``."""
     return F.linear(x.float(), int4_dequantize_ref(packed, scales, zeros, group))
+
+
+def int3_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """A group-wise int3 weight (``pack_3bit`` layout) as float32 ``[N, K]``."""
+    return _groupwise_dequantize(INT3_GROUPWISE, packed, packed.shape[1] // 12 * 32, scales, zeros, group)
+
+
+def int3_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """Reference of ``int3_dequantize``."""
+    from turbollm.quantization.packing import unpack_3bit  # not at import: turbollm.quantization imports us
+
+    return _apply_groups(unpack_3bit(packed), scales, zeros, group)
+
+
+def int3_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group: int, *, out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a group-wise int3 weight (``pack_3bit`` layout)."""
+    return _groupwise_linear(INT3_GROUPWISE, x, packed, packed.shape[1] // 12 * 32, scales, zeros, group, out, path)
+
+
+def int3_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """Reference of ``int3_linear``."""
+    return F.linear(x.float(), int3_dequantize_ref(packed, scales, zeros, group))
+
+
+_GROUPWISE_REFS = {INT4_GROUPWISE: (int4_dequantize_ref, int4_linear_ref),
+                   INT3_GROUPWISE: (int3_dequantize_ref, int3_linear_ref)}
+
+
+def _groupwise_meta(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' group-wise metadata: float16 scales and uint8 zero points (no copy when already so)."""
+    return scales.to(torch.float16).contiguous(), zeros.to(torch.uint8).contiguous()
+
+
+def _apply_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes ``[N, K]`` → float32 ``(q - zero) * scale`` per group of ``group`` columns."""
+    n = q.shape[0]
+    q = q.float().view(n, -1, group)
+    return ((q - zeros.float()[:, :, None]) * scales.float()[:, :, None]).reshape(n, -1)
+
+
+def _groupwise_dequantize(qtype: int, packed: torch.Tensor, k: int, scales: torch.Tensor, zeros: torch.Tensor,
+                          group: int) -> torch.Tensor:
+    mod = _kernels(qtype)
+    if mod is not None and group % 32 == 0 and packed.is_contiguous():
+        return mod.dequant(packed, qtype, k, *_groupwise_meta(scales, zeros), group, None)
+    return _GROUPWISE_REFS[qtype][0](packed, scales, zeros, group)
+
+
+def _groupwise_linear(qtype: int, x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
+                      zeros: torch.Tensor, group: int, out: torch.Tensor | None, path: str | None) -> torch.Tensor:
+    mod = _kernels(qtype)
+    if mod is None or group % 32 or k % group or not packed.is_contiguous():
+        return _result(_GROUPWISE_REFS[qtype][1](x, packed, scales, zeros, group), out)
+    return _run_linear(mod, x, packed, qtype, k, *_groupwise_meta(scales, zeros), group, out, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ checkpoint layout defines them (`LinearMethod.format_bits`: AutoGPTQ/AutoAWQ's i
 codes plus a float16 scale and a b-bit zero point per group), and every other tensor at its
 resident size: norms, biases, buffers and the vocabulary tables, whose storage (float32 or GGML
 blocks) is their format. `resident_bytes(model) / format_bytes(model)` then says how much the
-in-memory layout adds to the format: 1.00 for GGUF blocks kept as they are, ~1.01 for int4 (a
-uint8 zero point instead of a packed one), more where a format is held in a wider container
-(3-bit codes in 4-bit nibbles).
+in-memory layout adds to the format: 1.00 for GGUF blocks kept as they are, ~1.01-1.04 for
+int4 and int3 (a uint8 zero point instead of a packed one), more where a format is held in a
+wider container (2-bit codes in 4-bit nibbles).
 """
 
 from __future__ import annotations

@@ -9,12 +9,13 @@ Per linear (W is ``[N, K]``: N outputs, K inputs; G = K / group_size groups):
 
 ``W[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]``.
 
-At load, codes go to our int4 layout (bits ≤ 4) or, for 8-bit symmetric per-channel files,
-to the int8 layout. Act-order (``desc_act``) files have a ``g_idx`` that is not
-``k // group_size``; we sort the columns by group (``perm = argsort(g_idx)``, stable), store
-the codes in that order so each group is contiguous again, and keep ``perm`` to permute the
-input before the kernel. Fused Q/K/V (and gate/up) need one ``perm``: their shards share an
-input, so a GPTQ run gives them the same Hessian and the same order (checked at load).
+At load, codes go to our int4 layout (bits ≤ 4; 3-bit codes packed in 3 bits, `pack_3bit`)
+or, for 8-bit symmetric per-channel files, to the int8 layout. Act-order (``desc_act``) files
+have a ``g_idx`` that is not ``k // group_size``; we sort the columns by group (``perm =
+argsort(g_idx)``, stable), store the codes in that order so each group is contiguous again,
+and keep ``perm`` to permute the input before the kernel. Fused Q/K/V (and gate/up) need one
+``perm``: their shards share an input, so a GPTQ run gives them the same Hessian and the same
+order (checked at load).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from turbollm.quantization.base import register_linear_method
 from turbollm.quantization.checkpoint_layouts import (CheckpointOnlyMethod, LayoutConfig, QuantLayout, check_choice,
                                                       config_int, register_layout)
 from turbollm.quantization.group_quant import QuantizedWeight
-from turbollm.quantization.int4_method import Int4LinearMethod
+from turbollm.quantization.int4_method import Int4LinearMethod, pack_codes
 from turbollm.quantization.int8_method import Int8LinearMethod
-from turbollm.quantization.packing import pack_int32, pack_nibbles, unpack_int32
+from turbollm.quantization.packing import pack_int32, unpack_int32
 
 GPTQ_BITS = (2, 3, 4, 8)
 
@@ -86,7 +87,7 @@ class GPTQLayout(QuantLayout):
             if not bool((zeros == 128).all()):
                 raise ModelFormatError(f"{where}: 8-bit GPTQ zero points must all be 128 (symmetric)")
             return {"weight": (codes - 128).to(torch.int8), "weight_scale": scales[:, 0].contiguous()}
-        out = {"weight": pack_nibbles(codes[:, perm] if not identity else codes),
+        out = {"weight": pack_codes(codes[:, perm] if not identity else codes, b),
                "weight_scales": scales.to(torch.float16), "weight_zeros": zeros.to(torch.uint8).contiguous()}
         if cfg.act_order:
             out["weight_perm"] = perm

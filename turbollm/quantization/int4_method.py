@@ -1,16 +1,17 @@
-"""The "int4" linear methods: group-wise asymmetric 4-bit weights (and 3-bit codes in the same box).
+"""The "int4" linear methods: group-wise asymmetric 4-bit weights, and 3-bit (and 2-bit) codes.
 
-Resident per layer (the layout of `kernels.quant.int4_linear`):
-- ``weight`` uint8 ``[N, K/2]``: two codes per byte, low nibble = even column;
+Resident per layer (the layouts of `kernels.quant.int4_linear` and `int3_linear`):
+- ``weight`` uint8: 4-bit and 2-bit codes in nibbles, ``[N, K/2]``, two codes per byte, low
+  nibble = even column; 3-bit codes packed 12 bytes per block of 32 columns, ``[N, K/32*12]``
+  (`packing.pack_3bit`; K a multiple of 32). ``layer.int4_storage_bits`` says which (4 or 3);
 - ``weight_scales`` float16 and ``weight_zeros`` uint8 ``[N, K/g]``: ``W = (q - zero) * scale``
   per group (the quantizers round scales to float16 when they make them, so nothing is lost);
 - ``weight_perm`` int64 ``[K]`` only for act-order GPTQ checkpoints: storage column j is input
   column ``perm[j]``, so ``y = x[:, perm] @ W_storage.T`` (the input is permuted before the
   kernel; the groups stay contiguous in storage order).
 
-Storage per weight is 4 bits + 24 bits per group of g (g = 128: 4.19 bits/weight). 3-bit codes
-(0..7) are stored unpacked in the same 4-bit container, so "int3" saves no memory over "int4";
-it exists to measure what a 3-bit grid costs in quality.
+Storage per weight is 4 bits (3 bits for 3-bit codes) + 24 bits per group of g (g = 128: 4.19,
+or 3.19 bits/weight). 2-bit codes (0..3) stay in the nibble container (4 bits each).
 
 Names: "int4" (g = 128), "int4-g32", "int4-g64", "int4-g128", and "int3", "int3-g32", ...
 quantize at load by round-to-nearest (`group_quant.rtn_quantize`), after the float32 weight is
@@ -25,25 +26,42 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from turbollm.errors import InvalidRequestError, WeightLoadError
-from turbollm.kernels.quant import int4_linear
+from turbollm.kernels.quant import int3_linear, int4_linear
 from turbollm.quantization.base import LinearMethod, register_linear_method
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
-from turbollm.quantization.packing import pack_nibbles
+from turbollm.quantization.packing import pack_3bit, pack_nibbles, unpack_3bit, unpack_nibbles
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 
 
+def storage_bits(bits: int) -> int:
+    """Bits each code of a `bits`-bit weight occupies in memory: 3 for 3-bit codes, else 4 (nibbles)."""
+    return 3 if bits == 3 else 4
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[N, K]`` of `bits` bits → the resident ``weight`` (`pack_3bit` or `pack_nibbles`)."""
+    return pack_3bit(q) if storage_bits(bits) == 3 else pack_nibbles(q)
+
+
+def layer_codes(layer: nn.Module) -> torch.Tensor:
+    """The codes of a layer in this layout as uint8 ``[N, K]`` (storage column order)."""
+    unpack = unpack_3bit if layer.int4_storage_bits == 3 else unpack_nibbles
+    return unpack(layer.weight.data)
+
+
 def set_int4_weight(layer: nn.Module, qw: QuantizedWeight) -> None:
-    """Replace the layer's weight by the int4 layout of `qw` (codes of at most 4 bits)."""
+    """Replace the layer's weight by the layout of `qw` (codes of at most 4 bits; 3-bit ones packed)."""
     if qw.bits > 4:
         raise ValueError(f"int4 layout holds codes of at most 4 bits, got {qw.bits}")
-    layer.weight = nn.Parameter(pack_nibbles(qw.q), requires_grad=False)
+    layer.weight = nn.Parameter(pack_codes(qw.q, qw.bits), requires_grad=False)
     layer.weight_scales = nn.Parameter(qw.scales.to(torch.float16).contiguous(), requires_grad=False)
     layer.weight_zeros = nn.Parameter(qw.zeros.to(torch.uint8).contiguous(), requires_grad=False)
     if qw.perm is not None:
         layer.weight_perm = nn.Parameter(qw.perm.to(torch.int64).contiguous(), requires_grad=False)
     layer.int4_group_size = qw.group_size
+    layer.int4_storage_bits = storage_bits(qw.bits)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -68,16 +86,20 @@ class Int4LinearMethod(LinearMethod):
             fits = [str(s) for s in GROUP_SIZES if in_features % s == 0]
             raise InvalidRequestError(f"int{self.bits}: group size {g} does not divide a layer's {in_features} "
                                       f"input features (group sizes that do: {', '.join(fits) or 'none'})")
+        if storage_bits(self.bits) == 3 and in_features % 32:
+            raise InvalidRequestError(f"int3: a layer's {in_features} input features are not a multiple of 32 "
+                                      f"(3-bit codes are packed in blocks of 32)")
         return g
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         g = self._group(in_features)
         layer.int4_group_size = g
+        layer.int4_storage_bits = storage_bits(self.bits)
         if not self.prequantized:
             layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
             return
-        layer.weight = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8),
-                                    requires_grad=False)
+        row_bytes = in_features * layer.int4_storage_bits // 8
+        layer.weight = nn.Parameter(torch.zeros(out_features, row_bytes, dtype=torch.uint8), requires_grad=False)
         layer.weight_scales = nn.Parameter(torch.zeros(out_features, in_features // g, dtype=torch.float16),
                                            requires_grad=False)
         layer.weight_zeros = nn.Parameter(torch.zeros(out_features, in_features // g, dtype=torch.uint8),
@@ -100,8 +122,9 @@ class Int4LinearMethod(LinearMethod):
     def format_bits(self, layer: nn.Module) -> float:
         """b-bit codes plus a float16 scale and a b-bit zero point per group (AutoGPTQ/AutoAWQ's layout).
 
-        We hold the codes in nibbles and the zero point in a byte: 4 + 24/g bits per weight, so
-        3-bit codes take a third more memory than their format.
+        We hold the zero point in a byte, 4-bit codes in nibbles and 3-bit codes packed in 3 bits:
+        4 + 24/g bits per weight against the format's 4 + 20/g, and 3 + 24/g against 3 + 19/g
+        (1.04x at g = 32, 1.01x at g = 128). 2-bit codes stay in nibbles (4 + 24/g against 2 + 18/g).
         """
         return self.bits + (16.0 + self.bits) / layer.int4_group_size
 
@@ -112,7 +135,8 @@ class Int4LinearMethod(LinearMethod):
         perm = getattr(layer, "weight_perm", None)
         if perm is not None:
             x2 = x2.index_select(1, perm)
-        y = int4_linear(x2, layer.weight, layer.weight_scales, layer.weight_zeros, layer.int4_group_size)
+        linear = int3_linear if layer.int4_storage_bits == 3 else int4_linear
+        y = linear(x2, layer.weight, layer.weight_scales, layer.weight_zeros, layer.int4_group_size)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], layer.out_features)
@@ -135,11 +159,11 @@ def _register_rtn_variants() -> None:
     """Register "int4", "int4-g32", ..., "int3", "int3-g32", ... (round-to-nearest at load)."""
     for bits in (4, 3):
         base = type(f"Int{bits}LinearMethod", (Int4LinearMethod,), {"bits": bits, "__doc__":
-                    f"Group-wise {bits}-bit round-to-nearest at load (g = {DEFAULT_GROUP_SIZE}), int4 layout."})
+                    f"Group-wise {bits}-bit round-to-nearest at load (g = {DEFAULT_GROUP_SIZE})."})
         register_linear_method(f"int{bits}")(base)
         for g in GROUP_SIZES:
             cls = type(f"Int{bits}G{g}LinearMethod", (base,), {"group_size": g, "__doc__":
-                       f"Group-wise {bits}-bit round-to-nearest at load, g = {g}, int4 layout."})
+                       f"Group-wise {bits}-bit round-to-nearest at load, g = {g}."})
             register_linear_method(f"int{bits}-g{g}")(cls)
 
 

@@ -1,7 +1,9 @@
-"""Bit packing of small integer codes: our nibble layout and the int32 words of GPTQ/AWQ files.
+"""Bit packing of small integer codes: our nibble and 3-bit layouts and the int32 words of GPTQ/AWQ files.
 
-- Internal int4 layout (``kernels/quant.py``): uint8 ``[N, K/2]``, low nibble = even column.
-  3-bit codes (0..7) use the same container, so they cost 4 bits of storage per weight.
+- Internal int4 layout (``kernels/quant.py``): uint8 ``[N, K/2]``, low nibble = even column
+  (also holds 2-bit codes, at 4 bits each).
+- Internal 3-bit layout (`pack_3bit`): uint8 ``[N, K/32*12]``, 12 bytes per block of 32 codes
+  (K a multiple of 32): 8 bytes of the codes' low 2 bits, then 4 bytes of their bit 2.
 - Checkpoint layouts pack codes into int32 words as a *little-endian bit stream*: value i of a
   run occupies bits ``[i*b, (i+1)*b)`` of the run's words, word 0 holding the lowest bits.
   For b = 2, 4, 8 this is the usual "value i at shift i*b"; for b = 3 it is AutoGPTQ's
@@ -32,6 +34,41 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, K/2]`` → uint8 codes ``[N, K]`` (inverse of `pack_nibbles`)."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def pack_3bit(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., K]`` in 0..7 (K a multiple of 32) → uint8 ``[..., K/32*12]``.
+
+    Per block of 32 codes c_0..c_31 (columns 32b..32b+31), 12 bytes:
+    - bytes 0..7: byte j holds the low 2 bits of c_j, c_{j+8}, c_{j+16}, c_{j+24} at bit
+      shifts 0, 2, 4, 6;
+    - bytes 8..11: a little-endian uint32 whose bit i is bit 2 of c_i.
+    (The order suits AVX2: the 8 low bytes as one uint64 shifted right by 0/2/4/6 in its four
+    64-bit lanes, masked with 3, give c_0..c_31 in byte order; csrc/quant_dot_int.cpp.)
+    """
+    k = q.shape[-1]
+    if k % 32:
+        raise ValueError(f"pack_3bit: K = {k} is not a multiple of 32")
+    q = q.to(torch.uint8).reshape(*q.shape[:-1], k // 32, 4, 8)  # [..., block, r, j]: code 8r + j
+    low = q & 3
+    lo = low[..., 0, :] | (low[..., 1, :] << 2) | (low[..., 2, :] << 4) | (low[..., 3, :] << 6)  # [..., B, 8]
+    bit2 = (q >> 2) & 1  # bit 2 of code 8r + j goes to bit j of high byte r
+    hi = bit2[..., 0]
+    for j in range(1, 8):
+        hi = hi | (bit2[..., j] << j)  # [..., B, 4]
+    return torch.cat([lo, hi], dim=-1).reshape(*q.shape[:-3], k // 32 * 12)
+
+
+def unpack_3bit(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K/32*12]`` → uint8 codes ``[..., K]`` (inverse of `pack_3bit`)."""
+    nb = packed.shape[-1]
+    if nb % 12:
+        raise ValueError(f"unpack_3bit: {nb} bytes per row is not a whole number of 12-byte blocks")
+    p = packed.reshape(*packed.shape[:-1], nb // 12, 12)
+    lo, hi = p[..., :8], p[..., 8:]
+    low = torch.stack([(lo >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)  # [..., B, r, j]
+    bit2 = torch.stack([(hi >> j) & 1 for j in range(8)], dim=-1)  # [..., B, r, j]
+    return (low | (bit2 << 2)).reshape(*packed.shape[:-1], nb // 12 * 32)
 
 
 def _bit_positions(count: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@
 // Activations are quantized per block to int8 with one fp32 scale d = amax / 127 and
 // q = round_half_even(x * (1 / d)), in one of two block sizes (a weight type names the one
 // its kernels read, TypeKernels::act_block):
-// - 32 (legacy types, int8, int4): per block also s32 = d * sum(q) and, per 16-wide half,
+// - 32 (legacy types, int8, int4, int3): per block also s32 = d * sum(q) and, per 16-wide half,
 //   s16 = d * sum(q), so that a weight a * q_w + c contributes a * d * (q_w . q_x) + c * s;
 // - 256 (k-quants, ggml's Q8_K idea): one scale per super-block, so the integer products of all
 //   sub-blocks (times their integer scales) add up in int32 before one float conversion; the
@@ -54,14 +54,14 @@ struct QActBuf {
 };
 
 // A weight matrix of N rows of K values. GGML types use data/row_bytes; int8 per-channel adds
-// scale[N]; int4 group-wise adds scale/zero [N, K / group].
+// scale[N]; int4 / int3 group-wise add scale/zero [N, K / group].
 struct WView {
   const uint8_t* data = nullptr;
   int64_t row_bytes = 0;
   int64_t K = 0;
   const float* scale = nullptr;      // int8: float32 [N]
-  const uint8_t* scale16 = nullptr;  // int4: float16 [N, K / group] (raw bytes, 2 per value)
-  const uint8_t* zero8 = nullptr;    // int4: uint8 [N, K / group]
+  const uint8_t* scale16 = nullptr;  // int4 / int3: float16 [N, K / group] (raw bytes, 2 per value)
+  const uint8_t* zero8 = nullptr;    // int4 / int3: uint8 [N, K / group]
   int64_t group = 0;
   inline const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
 };
@@ -84,7 +84,7 @@ struct TypeKernels {
 enum : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kInt8 = 1000, kInt4 = 1001,
+  kInt8 = 1000, kInt4 = 1001, kInt3 = 1002,
 };
 
 // The kernels of a type id, or nullptr. Each family file fills its types.
@@ -92,9 +92,9 @@ const TypeKernels* find_kernels(int qtype);
 void register_legacy(TypeKernels* table);   // quant_dot_legacy.cpp (Q4_0..Q8_0)
 void register_kquants(TypeKernels* table);  // quant_dot_kquants.cpp (Q4_K, Q5_K, Q6_K)
 void register_kquants_low(TypeKernels* table);  // quant_dot_klow.cpp (Q2_K, Q3_K)
-void register_intq(TypeKernels* table);     // quant_dot_int.cpp (int8 per-channel, int4 group-wise)
+void register_intq(TypeKernels* table);     // quant_dot_int.cpp (int8 per-channel, int4 / int3 group-wise)
 int table_index(int qtype);                 // slot of qtype in the table, or -1
-constexpr int kTableSize = 12;
+constexpr int kTableSize = 13;
 
 // quant_act.cpp: quantize rows [m0, m1) of x [M, K] in blocks of `block` (32 or 256). With
 // `residual`, row m becomes two rows of the output: 2m (x) and 2m + 1 (x minus the first's
@@ -213,15 +213,19 @@ static inline __m256i nibbles_lo_hi(const uint8_t* p) {
   return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-// Bits 0..31 of the little-endian uint32 at p as 32 bytes of 0x10 (bit set) or 0 (clear).
-static inline __m256i bits_to_0x10(const uint8_t* p) {
+// Bits 0..31 of the little-endian uint32 at p as 32 bytes of 0xFF (bit set) or 0 (clear).
+static inline __m256i bits_to_bytes(const uint8_t* p) {
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
                                          0x0101010101010101LL, 0x0000000000000000LL);
   const __m256i all = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
-  __m256i v = _mm256_shuffle_epi8(all, shuf);
+  const __m256i v = _mm256_shuffle_epi8(all, shuf);
   const __m256i bitmask = _mm256_set1_epi64x(0x8040201008040201LL);
-  v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bitmask), bitmask);
-  return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bitmask), bitmask);
+}
+
+// The same as bytes of 0x10 (bit set) or 0 (clear).
+static inline __m256i bits_to_0x10(const uint8_t* p) {
+  return _mm256_and_si256(bits_to_bytes(p), _mm256_set1_epi8(0x10));
 }
 
 // The 8 scales (bytes 0-7) and 8 mins (bytes 8-15) of a Q4_K / Q5_K super-block from its 12

@@ -26,6 +26,7 @@ int table_index(int qtype) {
     case kQ6_K: return 9;
     case kInt8: return 10;
     case kInt4: return 11;
+    case kInt3: return 12;
     default: return -1;
   }
 }

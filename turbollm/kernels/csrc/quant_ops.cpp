@@ -3,7 +3,8 @@
 // The only quantized-matmul translation unit that includes torch/extension.h. Argument checking
 // lives here; turbollm/kernels/quant.py picks the path (q8 or dequant) and keeps the PyTorch reference.
 // Weight formats: a GGML type id with uint8 w [N, row_bytes]; kInt8 (1000) with int8 w [N, K]
-// and scale [N]; kInt4 (1001) with packed uint8 [N, K / 2], scale / zero [N, K / group].
+// and scale [N]; kInt4 (1001) with packed uint8 [N, K / 2] and kInt3 (1002) with packed uint8
+// [N, K / 32 * 12] (packing.pack_3bit), both with float16 scale / uint8 zero [N, K / group].
 #include <torch/extension.h>
 #include <ATen/ThreadLocalState.h>
 
@@ -37,14 +38,16 @@ WView make_view(const torch::Tensor& w, int64_t qtype, int64_t K, const c10::opt
                 "int8 weight needs a float32 scale [N]");
     v.row_bytes = K;
     v.scale = scale->data_ptr<float>();
-  } else if (qtype == tq::kInt4) {
-    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == K, "int4 weight must be uint8 [N, K / 2]");
-    TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "int4 group must be a multiple of 32 dividing K");
+  } else if (qtype == tq::kInt4 || qtype == tq::kInt3) {
+    const char* name = qtype == tq::kInt4 ? "int4" : "int3";
+    v.row_bytes = K / k.block * k.bytes;  // K / 2 (int4), K / 32 * 12 (int3)
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.size(1) == v.row_bytes, name, " weight must be uint8 [N, ",
+                v.row_bytes, "] for K = ", K);
+    TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, name, " group must be a multiple of 32 dividing K");
     TORCH_CHECK(scale && scale->scalar_type() == torch::kFloat16 && scale->is_contiguous() &&
-                    scale->numel() == N * (K / group), "int4 weight needs float16 scales [N, K / group]");
+                    scale->numel() == N * (K / group), name, " weight needs float16 scales [N, K / group]");
     TORCH_CHECK(zero && zero->scalar_type() == torch::kUInt8 && zero->is_contiguous() &&
-                    zero->numel() == N * (K / group), "int4 weight needs uint8 zero points [N, K / group]");
-    v.row_bytes = K / 2;
+                    zero->numel() == N * (K / group), name, " weight needs uint8 zero points [N, K / group]");
     v.scale16 = reinterpret_cast<const uint8_t*>(scale->data_ptr());
     v.zero8 = zero->data_ptr<uint8_t>();
     v.group = group;
