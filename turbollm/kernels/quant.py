@@ -69,10 +69,20 @@ Q8X2_MAX_TOKENS = 8
 #: cross near M=32 (k-quants' q8 stays ~10-25% ahead even at M=512, but the exact path is taken).
 Q8_MAX_TOKENS = 31
 
-#: Weight rows per chunk on the dequant path: each thread decodes a chunk into its own fp32
-#: scratch and runs a single-threaded sgemm on it (128 was at or near the best for K = 1536
-#: and 8960 at M = 64 and 512).
-DEQUANT_CHUNK_ROWS = 128
+#: Most weight rows per chunk on the dequant path: each thread decodes a chunk into its own fp32
+#: scratch and runs a single-threaded sgemm on it; `dequant_chunk_rows` cuts N into a multiple of
+#: the thread count of chunks of at most this many rows (equal shares per thread). Measured at
+#: M = 512, 2 threads, Q4_K/Q6_K (2026-11-30): 256 rows 80-82 ms on 8960 -> 1536 against 85 ms
+#: at 128 and 96-136 ms at 16-64; 1536 -> 8960 80-82 ms at 256 and 128; fp32 F.linear 77-88 ms.
+DEQUANT_CHUNK_ROWS = 256
+
+
+def dequant_chunk_rows(n: int, threads: int | None = None) -> int:
+    """Rows per chunk for an N-row weight: ``threads * c`` chunks of at most DEQUANT_CHUNK_ROWS rows."""
+    threads = max(1, threads or torch.get_num_threads())
+    chunks = threads * -(-n // (threads * DEQUANT_CHUNK_ROWS))
+    return max(1, -(-n // chunks))
+
 
 _PATHS = ("auto", "fast", "q8", "q8x2", "q16", "dequant")
 #: activation levels the C++ linear_q8 takes for each integer path (16: one 16-bit level)
@@ -170,7 +180,7 @@ def _run_linear(mod, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, scale
     out2 = out if out is None or out.dim() == 2 else out.view(-1, n)
     chosen = _resolve_path(x2.shape[0], path)
     if chosen == "dequant":
-        y = mod.linear_dequant(x2, w, qtype, k, scale, zero, group, out2, DEQUANT_CHUNK_ROWS)
+        y = mod.linear_dequant(x2, w, qtype, k, scale, zero, group, out2, dequant_chunk_rows(n))
     else:
         y = mod.linear_q8(x2, w, qtype, k, scale, zero, group, out2, levels_for(qtype, _LEVELS[chosen]))
     if out is not None:
