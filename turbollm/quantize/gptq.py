@@ -89,7 +89,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: QuantGrid, group_size:
     g = k if group_size in (-1, 0) else group_size
     if k % g:
         raise ValueError(f"group size {g} does not divide the {k} input columns")
-    block = BLOCK if g <= BLOCK else g
+    # Lazy batches of BLOCK columns need every group to start at a batch start (its grid is read
+    # from the then-current weights): groups that divide BLOCK, multiples of it, or one per row.
+    # (One batch per row-wide group made 8-bit per-channel GPTQ apply K rank-1 updates of the
+    # whole remaining row: >100 s per qwen2.5-0.5b layer instead of ~35.)
+    block = BLOCK if g <= BLOCK or g % BLOCK == 0 or g == k else g
     if g <= BLOCK and block % g:
         raise ValueError(f"group size {g} must divide the GPTQ block of {BLOCK} columns")
     w = w.detach().float().clone()
@@ -106,12 +110,12 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: QuantGrid, group_size:
     codes = torch.zeros(n, k, dtype=torch.uint8)
     scales = torch.zeros(n, k // g)
     zeros = torch.zeros(n, k // g)
+    scale = zero = None  # the current group's grid (a group may span several batches)
     for i1 in range(0, k, block):
         i2 = min(k, i1 + block)
         w1 = w[:, i1:i2].clone()
         err = torch.zeros_like(w1)
         u1 = u[i1:i2, i1:i2]
-        scale = zero = None
         for j in range(i2 - i1):
             col = i1 + j
             if col % g == 0:  # first column of a group: its grid from the current (updated) values
