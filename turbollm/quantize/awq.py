@@ -21,15 +21,9 @@ relative rounding error of the scaled-up columns. Per linear group:
   clipped (attention logits are sensitive to them), as in the paper's released code.
 
 Statistics: ``mean|x|`` over every calibration token for the norm-fed linears; the error
-terms (and o/down statistics) on a sample of about ``search_tokens`` tokens drawn from at least
-`MIN_SEARCH_BATCHES` batches of whole sequences spread over the calibration set
-(`BranchAlgorithm.stage2_batches`), which keeps the 20-point searches affordable on a CPU.
-Errors use ``XᵀX`` when it is smaller than X.
-
-The first position of every calibration window is left out of all statistics and error terms.
-It is where models put their attention sink: on qwen2.5-coder-0.5b its input to down_proj is
-24× the median token's norm in layer 2 and 8-12× in layers 21-23 (so ~500× in a squared error),
-which let a handful of sink tokens choose the scales, and mean|x|, of whole layers.
+terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from whole
+sequences spread over the calibration set (`BranchAlgorithm.stage2_batches`), which keeps the
+20-point searches affordable on a CPU. Errors use ``XᵀX`` when it is smaller than X.
 """
 
 from __future__ import annotations
@@ -45,8 +39,6 @@ from turbollm.quantize.pipeline import BranchAlgorithm
 N_GRID = 20
 CLIP_STEPS = 10  # shrink ratios 1 - i / N_GRID for i < CLIP_STEPS: 1.0 ... 0.55
 SEARCH_TOKENS = 2048
-MIN_SEARCH_BATCHES = 4  # the search sample comes from at least this many batches (spread)
-SKIP_FIRST_POSITIONS = 1  # window positions left out of the statistics (the attention sink)
 
 
 class ActStats:
@@ -161,21 +153,13 @@ class AWQAlgorithm(BranchAlgorithm):
         self.grid, self.group_size, self.search_tokens = grid, group_size, search_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self.kept: list[int] = []
-        self.seq_len = 0
         self.first_stats: ActStats | None = None
         self.second_stats: ActStats | None = None
         self.alphas: dict[str, tuple[float, float]] = {}
 
     def prepare(self, runner: CalibrationRunner) -> None:
         per_batch = runner.batches[0][0].stop - runner.batches[0][0].start
-        self.kept = runner.spread(max(MIN_SEARCH_BATCHES, math.ceil(self.search_tokens / per_batch)))
-        self.seq_len = runner.seq_len
-
-    def _without_sinks(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows of a batch's ``[tokens, k]`` inputs, minus the first positions of each window."""
-        x = x.reshape(-1, x.shape[-1])
-        pos = torch.arange(x.shape[0]) % self.seq_len
-        return x[pos >= SKIP_FIRST_POSITIONS] if self.seq_len > SKIP_FIRST_POSITIONS else x
+        self.kept = runner.spread(max(1, math.ceil(self.search_tokens / per_batch)))
 
     def stage2_batches(self, runner: CalibrationRunner) -> list[int]:
         return self.kept
@@ -186,12 +170,12 @@ class AWQAlgorithm(BranchAlgorithm):
     def observe_first(self, br: Branch, h: torch.Tensor, index: int) -> None:
         if self.first_stats is None:
             self.first_stats = ActStats(br.first.in_features, self._quota(), self.generator)
-        self.first_stats.add(self._without_sinks(h), keep=index in self.kept)
+        self.first_stats.add(h, keep=index in self.kept)
 
     def observe_second(self, br: Branch, z: torch.Tensor, index: int) -> None:
         if self.second_stats is None:
             self.second_stats = ActStats(br.second.in_features, self._quota(), self.generator)
-        self.second_stats.add(self._without_sinks(z), keep=True)
+        self.second_stats.add(z, keep=True)
 
     @torch.no_grad()
     def second_ready(self, br: Branch) -> None:
