@@ -21,6 +21,9 @@ layer in this layout directly (`Int4LinearMethod(prequantized=True, ...)`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -35,6 +38,20 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 
 
+@dataclass(frozen=True)
+class CodeStorage:
+    """How codes sit in ``layer.weight``: their packing, its inverse, and the product kernel."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    unpack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+
+
+#: Resident bits per code -> its storage (3-bit codes packed in 3 bits, the rest in nibbles).
+CODE_STORAGE = {3: CodeStorage(pack_3bit, unpack_3bit, int3_linear),
+                4: CodeStorage(pack_nibbles, unpack_nibbles, int4_linear)}
+
+
 def storage_bits(bits: int) -> int:
     """Bits each code of a `bits`-bit weight occupies in memory: 3 for 3-bit codes, else 4 (nibbles)."""
     return 3 if bits == 3 else 4
@@ -42,13 +59,12 @@ def storage_bits(bits: int) -> int:
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes ``[N, K]`` of `bits` bits → the resident ``weight`` (`pack_3bit` or `pack_nibbles`)."""
-    return pack_3bit(q) if storage_bits(bits) == 3 else pack_nibbles(q)
+    return CODE_STORAGE[storage_bits(bits)].pack(q)
 
 
 def layer_codes(layer: nn.Module) -> torch.Tensor:
     """The codes of a layer in this layout as uint8 ``[N, K]`` (storage column order)."""
-    unpack = unpack_3bit if layer.int4_storage_bits == 3 else unpack_nibbles
-    return unpack(layer.weight.data)
+    return CODE_STORAGE[layer.int4_storage_bits].unpack(layer.weight.data)
 
 
 def set_int4_weight(layer: nn.Module, qw: QuantizedWeight) -> None:
@@ -135,7 +151,7 @@ class Int4LinearMethod(LinearMethod):
         perm = getattr(layer, "weight_perm", None)
         if perm is not None:
             x2 = x2.index_select(1, perm)
-        linear = int3_linear if layer.int4_storage_bits == 3 else int4_linear
+        linear = CODE_STORAGE[layer.int4_storage_bits].linear
         y = linear(x2, layer.weight, layer.weight_scales, layer.weight_zeros, layer.int4_group_size)
         if bias is not None:
             y = y + bias
