@@ -139,11 +139,11 @@ def test_awq_folding_is_exact_in_float(tiny, arch):
     assert torch.allclose(after, before, rtol=1e-4, atol=1e-4), float((after - before).abs().max())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_awq_closer_than_rtn(tiny, arch):
+@pytest.mark.parametrize("arch,clip", [("llama", True), ("gemma3", True), ("llama", False)])
+def test_awq_closer_than_rtn(tiny, arch, clip):
     fp = _logits(load_model(str(tiny(arch))), WINDOWS)
     awq_model = load_model(str(tiny(arch)))
-    alg = AWQAlgorithm(QuantGrid(4), 32, search_tokens=128)
+    alg = AWQAlgorithm(QuantGrid(4), 32, search_tokens=128, clip=clip)
     quantize_decoder(awq_model.model, WINDOWS, alg, progress=False)
     rtn_model = load_model(str(tiny(arch)))
     rtn_decoder(rtn_model.model, QuantGrid(4), 32)

@@ -42,6 +42,8 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--damp", type=float, default=0.01, help="gptq: dampening, fraction of the mean Hessian diagonal")
     p.add_argument("--awq-search-tokens", type=int, default=2048,
                    help="awq: tokens the scale and clipping searches measure errors on (default 2048)")
+    p.add_argument("--awq-no-clip", action="store_true",
+                   help="awq: skip the weight-clipping search (keep each group's full range); see docs/QUANTIZATION.md")
     p.add_argument("--type", dest="gguf_type", default=None, choices=GGUF_TYPES, help="gguf: the file type")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -59,6 +61,7 @@ def run_quantize_cmd(ns: argparse.Namespace) -> int:
     opts = QuantizeOptions(ns.model, ns.method, ns.out, bits=ns.bits, group_size=ns.group_size,
                            act_order=ns.act_order, calib_samples=ns.calib_samples, calib_seq_len=ns.calib_seq_len,
                            calib_data=ns.calib_data, damp=ns.damp, awq_search_tokens=ns.awq_search_tokens,
+                           awq_clip=not ns.awq_no_clip,
                            gguf_type=ns.gguf_type, progress=not ns.no_progress)
     s = run_quantize(opts)
     per_layer = f", {sum(s.layer_seconds) / len(s.layer_seconds):.1f} s per layer" if s.layer_seconds else ""

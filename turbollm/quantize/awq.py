@@ -148,9 +148,10 @@ def search_clip(w: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int, rows
 class AWQAlgorithm(BranchAlgorithm):
     """AWQ in the layer pipeline: scales searched and folded per branch, then clipping, then RTN."""
 
-    def __init__(self, grid: QuantGrid, group_size: int, search_tokens: int = SEARCH_TOKENS, seed: int = 0):
+    def __init__(self, grid: QuantGrid, group_size: int, search_tokens: int = SEARCH_TOKENS, seed: int = 0,
+                 clip: bool = True):
         super().__init__()
-        self.grid, self.group_size, self.search_tokens = grid, group_size, search_tokens
+        self.grid, self.group_size, self.search_tokens, self.clip = grid, group_size, search_tokens, clip
         self.generator = torch.Generator().manual_seed(seed)
         self.kept: list[int] = []
         self.first_stats: ActStats | None = None
@@ -189,8 +190,11 @@ class AWQAlgorithm(BranchAlgorithm):
         self.alphas[self.name(br.first)] = (a1, a2)
         fold_scales(br, s1, s2)
         cols2 = br.expand(s2)
-        r1 = search_clip(w1, loss1.scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
-        r2 = search_clip(w2, loss2.scaled(cols2), grid, g)
+        if self.clip:
+            r1 = search_clip(w1, loss1.scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
+            r2 = search_clip(w2, loss2.scaled(cols2), grid, g)
+        else:
+            r1, r2 = torch.ones(w1.shape[0], w1.shape[1] // g), torch.ones(w2.shape[0], w2.shape[1] // g)
         self.store(br.first, quantize_with_ratio(w1, grid, g, r1))
         self.store(br.second, quantize_with_ratio(w2, grid, g, r2))
 

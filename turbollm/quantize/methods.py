@@ -82,6 +82,7 @@ class QuantizeOptions:
     calib_data: str | None = None
     damp: float = 0.01
     awq_search_tokens: int = 2048
+    awq_clip: bool = True
     gguf_type: str | None = None
     progress: bool = True
     resolved_bits: int = field(default=0, init=False)
@@ -108,7 +109,7 @@ def validate_options(opts: QuantizeOptions) -> MethodSpec | None:
                                   ("--calib-data", opts.calib_data)) if v is not None]
     if opts.method == "gguf":
         given = [f for f, v in (("--bits", opts.bits), ("--group-size", opts.group_size)) if v is not None]
-        given += ["--act-order"] * opts.act_order + calib_given
+        given += ["--act-order"] * opts.act_order + ["--awq-no-clip"] * (not opts.awq_clip) + calib_given
         if given:
             raise InvalidRequestError(f"--method gguf takes --type, not {', '.join(given)}")
         if opts.gguf_type not in GGUF_TYPES:
@@ -127,6 +128,8 @@ def validate_options(opts: QuantizeOptions) -> MethodSpec | None:
         raise InvalidRequestError(f"--act-order applies to --method gptq only (got --method {spec.name})")
     if opts.act_order and bits in spec.per_channel_bits:
         raise InvalidRequestError(f"--act-order needs groups; --bits {bits} is per channel")
+    if not opts.awq_clip and spec.name != "awq":
+        raise InvalidRequestError(f"--awq-no-clip applies to --method awq only (got --method {spec.name})")
     if calib_given and not spec.calibrates:
         raise InvalidRequestError(f"--method {spec.name} uses no calibration data; drop {', '.join(calib_given)}")
     if spec.calibrates and (opts.samples < 1 or opts.seq_len < 16):
