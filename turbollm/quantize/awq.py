@@ -19,6 +19,8 @@ relative rounding error of the scaled-up columns. Per linear group:
 - Weight clipping: per (row, group), the range is shrunk by r ∈ {1, 0.95, …, 0.55}, keeping the
   r of least output error of that group (block-diagonal part of XᵀX). Q and K rows are not
   clipped (attention logits are sensitive to them), as in the paper's released code.
+  ``clip=False`` (``--awq-no-clip``) keeps every group's full range: on qwen2.5-coder-0.5b the
+  clipping search raised both perplexity and KLD (docs/QUANTIZATION.md).
 
 Statistics: ``mean|x|`` over every calibration token for the norm-fed linears; the error
 terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from whole
