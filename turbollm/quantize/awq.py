@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight
+from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
 from turbollm.quantize.layer_runner import Branch, CalibrationRunner
 from turbollm.quantize.pipeline import BranchAlgorithm
 
@@ -191,12 +191,12 @@ class AWQAlgorithm(BranchAlgorithm):
         s2, a2 = search_scale(w2, br.reduce(second_stats.mean_abs()), loss2, grid, g, br.expand)
         self.alphas[self.name(br.first)] = (a1, a2)
         fold_scales(br, s1, s2)
-        cols2 = br.expand(s2)
-        if self.clip:
-            r1 = search_clip(w1, loss1.scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
-            r2 = search_clip(w2, loss2.scaled(cols2), grid, g)
-        else:
-            r1, r2 = torch.ones(w1.shape[0], w1.shape[1] // g), torch.ones(w2.shape[0], w2.shape[1] // g)
+        if not self.clip:
+            self.store(br.first, rtn_quantize(w1, grid, g))
+            self.store(br.second, rtn_quantize(w2, grid, g))
+            return
+        r1 = search_clip(w1, loss1.scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
+        r2 = search_clip(w2, loss2.scaled(br.expand(s2)), grid, g)
         self.store(br.first, quantize_with_ratio(w1, grid, g, r1))
         self.store(br.second, quantize_with_ratio(w2, grid, g, r2))
 
