@@ -3,11 +3,12 @@
 The step runs the module path's kernels on the same tensors in the same order, so it must give
 the same bits: greedy tokens and every logprob equal, at batch 1 and batched, for every storage
 case it takes (GGUF types with kernels, a QKV of three parts with a dense one, dense float32 with
-biases inside the product), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
+biases inside the product, the int8 / int4 / int3 layouts with their scales and zero points, a GPTQ
+act-order folder's permuted inputs), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
 MQA, a sliding window), every integer path (q16 by default, and q8x2 for the types without it —
 the k-quants of the catalog models, whose tests are marked `model`; q8x2 forced; q8 with
-TURBOLLM_QMATMUL=fast) and both K/V dtypes. A model it cannot take (int8 weights here) decodes
-through the modules and says why; grown RoPE tables rebuild the step.
+TURBOLLM_QMATMUL=fast) and both K/V dtypes. A model it cannot take (a linear method without a
+decode product) decodes through the modules and says why; grown RoPE tables rebuild the step.
 """
 
 from __future__ import annotations
@@ -86,7 +87,46 @@ def test_grown_rope_tables_rebuild_the_step(tmp_path_factory):
     assert state.step is not old and state.rope_tables[0] is decoder.layers[0].self_attn.rotary.cos
 
 
-def test_unsupported_method_decodes_through_the_modules(tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    return build_tiny("qwen2", tmp_path_factory.mktemp("step-int"))
+
+
+def _int_prompts():
+    g = torch.Generator().manual_seed(5)
+    return [{"prompt_token_ids": torch.randint(4, 384, (n,), generator=g).tolist()} for n in (6, 19, 33)]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32", "int3-g64"])
+@pytest.mark.parametrize("path", ["auto", "fast"])
+def test_tiny_integer_layouts(tiny_qwen2, qpath, quantization, path):
+    """The integer layouts quantized at load (int8 per channel; int4 / int3 with scales and zero
+    points per group) on Qwen2's QKV with biases added after the product."""
+    qpath(path)
+    assert_fused_equals_eager(str(tiny_qwen2), _int_prompts(), max_tokens=10, quantization=quantization)
+
+
+def test_tiny_gptq_act_order_folder(tiny_qwen2, tmp_path_factory):
+    """A GPTQ act-order folder: every linear reads its input columns in the permuted order."""
+    from quant_tiny import calibration_text
+    from turbollm.quantize.methods import QuantizeOptions
+    from turbollm.quantize.runner import run_quantize
+
+    tmp = tmp_path_factory.mktemp("step-gptq")
+    out = tmp / "gptq"
+    run_quantize(QuantizeOptions(str(tiny_qwen2), "gptq", out, group_size=32, act_order=True, calib_samples=8,
+                                 calib_seq_len=64, calib_data=str(calibration_text(tmp / "calib.txt")),
+                                 progress=False), log=lambda s: None)
+    llm = LLM(str(out), kv_cache_memory=1 << 22, threads=2)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight_perm is not None
+    del llm
+    assert_fused_equals_eager(str(out), _int_prompts(), max_tokens=10)
+
+
+def test_unsupported_method_decodes_through_the_modules(tmp_path_factory, monkeypatch):
+    from turbollm.quantization.int8_method import Int8LinearMethod
+
+    monkeypatch.setattr(Int8LinearMethod, "decode_parts", lambda self, layer: None)
     folder = build_tiny("llama", tmp_path_factory.mktemp("step-int8"))
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}]
     result, steps, state = _decode(str(folder), prompts, eager=False, quantization="int8")

@@ -238,13 +238,17 @@ def ggml_linear_ref(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> tor
 # int8 per-channel, int4 and int3 group-wise
 
 
+def int8_kernel_path(w: torch.Tensor) -> bool:
+    """Whether ``int8_linear`` multiplies by ``w`` on the C++ kernels (else the reference)."""
+    return _kernels(INT8_PER_CHANNEL) is not None and w.shape[1] % 32 == 0 and w.is_contiguous()
+
+
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
                 path: str | None = None) -> torch.Tensor:
     """``x @ W.T`` for an int8 per-output-channel weight."""
-    mod = _kernels(INT8_PER_CHANNEL)
-    k = w.shape[1]
-    if mod is None or k % 32 or not w.is_contiguous():
+    if not int8_kernel_path(w):
         return _result(int8_linear_ref(x, w, scale), out)
+    mod, k = _kernels(INT8_PER_CHANNEL), w.shape[1]
     return _run_linear(mod, x, w, INT8_PER_CHANNEL, k, scale.float().contiguous(), None, 0, out, path)
 
 
@@ -324,12 +328,16 @@ def _groupwise_dequantize(qtype: int, packed: torch.Tensor, k: int, scales: torc
     return _GROUPWISE_REFS[qtype][0](packed, scales, zeros, group)
 
 
+def groupwise_kernel_path(qtype: int, packed: torch.Tensor, k: int, group: int) -> bool:
+    """Whether the int4 / int3 products multiply by ``packed`` on the C++ kernels (else the reference)."""
+    return _kernels(qtype) is not None and group % 32 == 0 and k % group == 0 and packed.is_contiguous()
+
+
 def _groupwise_linear(qtype: int, x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
                       zeros: torch.Tensor, group: int, out: torch.Tensor | None, path: str | None) -> torch.Tensor:
-    mod = _kernels(qtype)
-    if mod is None or group % 32 or k % group or not packed.is_contiguous():
+    if not groupwise_kernel_path(qtype, packed, k, group):
         return _result(_GROUPWISE_REFS[qtype][1](x, packed, scales, zeros, group), out)
-    return _run_linear(mod, x, packed, qtype, k, *_groupwise_meta(scales, zeros), group, out, path)
+    return _run_linear(_kernels(qtype), x, packed, qtype, k, *_groupwise_meta(scales, zeros), group, out, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,8 +138,13 @@ def _linear_spec(layer: nn.Module) -> dict | None:
     parts = layer.method.decode_parts(layer)
     if parts is None:
         return None
-    return {"qtypes": [q for q, _ in parts.parts], "weights": [w for _, w in parts.parts],
-            "in_features": layer.in_features, "bias": layer.bias, "bias_in_linear": parts.bias_in_linear}
+    spec = {"qtypes": [q for q, _ in parts.parts], "weights": [w for _, w in parts.parts],
+            "in_features": layer.in_features, "bias": layer.bias, "bias_in_linear": parts.bias_in_linear,
+            "perm": parts.perm}
+    if parts.group_params is not None:
+        spec |= {"scales": [p[0] for p in parts.group_params], "zeros": [p[1] for p in parts.group_params],
+                 "groups": [p[2] for p in parts.group_params]}
+    return spec
 
 
 def _layer_spec(layer: nn.Module) -> tuple[dict | None, str | None]:

@@ -27,6 +27,11 @@ class DecodeParts:
 
     parts: tuple[tuple[int, torch.Tensor], ...]
     bias_in_linear: bool = False
+    #: per part, the integer layouts' (scale, zero point, group size) as `linear_q8` takes them
+    #: (None, None, 0 for GGML blocks and dense parts); None: no part has any
+    group_params: tuple[tuple[torch.Tensor | None, torch.Tensor | None, int], ...] | None = None
+    #: input-column order the product reads (GPTQ act-order: ``x[:, perm]``), or None
+    perm: torch.Tensor | None = None
 
 
 def register_linear_method(name: str) -> Callable[[type["LinearMethod"]], type["LinearMethod"]]:

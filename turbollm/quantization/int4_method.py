@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from turbollm.errors import InvalidRequestError, WeightLoadError
-from turbollm.kernels.quant import int3_linear, int4_linear
-from turbollm.quantization.base import LinearMethod, register_linear_method
+from turbollm.kernels.quant import INT3_GROUPWISE, INT4_GROUPWISE, groupwise_kernel_path, int3_linear, int4_linear
+from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
 from turbollm.quantization.packing import pack_3bit, pack_nibbles, unpack_3bit, unpack_nibbles
 
@@ -45,11 +45,12 @@ class CodeStorage:
     pack: Callable[[torch.Tensor], torch.Tensor]
     unpack: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    qtype: int  # the kernels' type id (kernels/quant.py)
 
 
 #: Resident bits per code -> its storage (3-bit codes packed in 3 bits, the rest in nibbles).
-CODE_STORAGE = {3: CodeStorage(pack_3bit, unpack_3bit, int3_linear),
-                4: CodeStorage(pack_nibbles, unpack_nibbles, int4_linear)}
+CODE_STORAGE = {3: CodeStorage(pack_3bit, unpack_3bit, int3_linear, INT3_GROUPWISE),
+                4: CodeStorage(pack_nibbles, unpack_nibbles, int4_linear, INT4_GROUPWISE)}
 
 
 def storage_bits(bits: int) -> int:
@@ -143,6 +144,18 @@ class Int4LinearMethod(LinearMethod):
         (1.04x at g = 32, 1.01x at g = 128). 2-bit codes stay in nibbles (4 + 24/g against 2 + 18/g).
         """
         return self.bits + (16.0 + self.bits) / layer.int4_group_size
+
+    def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
+        if layer.weight.dtype != torch.uint8:
+            return None
+        storage, g = CODE_STORAGE[layer.int4_storage_bits], layer.int4_group_size
+        scales, zeros = layer.weight_scales, layer.weight_zeros
+        if not groupwise_kernel_path(storage.qtype, layer.weight, layer.in_features, g) \
+                or scales.dtype != torch.float16 or zeros.dtype != torch.uint8 \
+                or not (scales.is_contiguous() and zeros.is_contiguous()):
+            return None
+        return DecodeParts(((storage.qtype, layer.weight),), group_params=((scales, zeros, g),),
+                           perm=getattr(layer, "weight_perm", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.in_features)

@@ -20,8 +20,8 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from turbollm.kernels.quant import int8_linear
-from turbollm.quantization.base import LinearMethod, register_linear_method
+from turbollm.kernels.quant import INT8_PER_CHANNEL, int8_kernel_path, int8_linear
+from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.group_quant import int8_per_channel
 
 
@@ -57,6 +57,13 @@ class Int8LinearMethod(LinearMethod):
     def format_bits(self, layer: nn.Module) -> float:
         """8-bit codes and a float16 scale per output row (we hold the scale as float32)."""
         return 8.0 + 16.0 / layer.in_features
+
+    def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
+        w, scale = layer.weight, layer.weight_scale
+        if w.dtype != torch.int8 or not int8_kernel_path(w) or scale.dtype != torch.float32 \
+                or not scale.is_contiguous():
+            return None
+        return DecodeParts(((INT8_PER_CHANNEL, w),), group_params=((scale, None, 0),))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.in_features)

@@ -15,12 +15,17 @@ namespace {
 
 constexpr int64_t kDense = -1;  // a float32 part, multiplied by at::linear
 
-// A linear layer as its method applies it: parts of output rows (GGML types or dense float32),
-// concatenated, then the bias added in place; or one dense part with the bias inside at::linear.
+// A linear layer as its method applies it: parts of output rows (GGML types, the integer layouts
+// with their scales / zero points / group, or dense float32), concatenated, then the bias added in
+// place; or one dense part with the bias inside at::linear. With `perm` (GPTQ act-order) the
+// input columns are gathered first, as the int4 method's apply does.
 struct Linear {
   std::vector<int64_t> qtypes;
   std::vector<bool> has16;  // per part: the type has 16-bit activation kernels (supported16)
   std::vector<torch::Tensor> weights;
+  std::vector<c10::optional<torch::Tensor>> scales, zeros;  // per part (integer layouts), else none
+  std::vector<int64_t> groups;                              // per part: group size, 0 for none
+  c10::optional<torch::Tensor> perm;
   c10::optional<torch::Tensor> bias;
   bool bias_in_linear = false;
   int64_t K = 0;
@@ -30,11 +35,12 @@ struct Linear {
   torch::Tensor part(const torch::Tensor& x, size_t i, int64_t levels) const {
     if (qtypes[i] == kDense) return at::linear(x, weights[i]);
     if (levels == 16 && !has16[i]) levels = 2;
-    return linear_q8(x, weights[i], qtypes[i], K, c10::nullopt, c10::nullopt, 0, c10::nullopt, levels);
+    return linear_q8(x, weights[i], qtypes[i], K, scales[i], zeros[i], groups[i], c10::nullopt, levels);
   }
 
-  torch::Tensor operator()(const torch::Tensor& x, int64_t levels) const {
-    if (bias_in_linear) return at::linear(x, weights[0], bias);
+  torch::Tensor operator()(const torch::Tensor& x_in, int64_t levels) const {
+    if (bias_in_linear) return at::linear(x_in, weights[0], bias);
+    const torch::Tensor x = perm ? x_in.index_select(1, *perm) : x_in;
     torch::Tensor y;
     if (weights.size() == 1) {
       y = part(x, 0, levels);
@@ -62,6 +68,18 @@ c10::optional<torch::Tensor> opt_tensor(const py::dict& s, const char* key) {
   return s[key].cast<torch::Tensor>();
 }
 
+// `key` of a linear's spec: a list of n tensors or Nones (absent: n Nones)
+std::vector<c10::optional<torch::Tensor>> opt_tensor_list(const py::dict& l, const char* key, size_t n,
+                                                          const char* linear) {
+  std::vector<c10::optional<torch::Tensor>> out(n);
+  if (!l.contains(key) || l[key].is_none()) return out;
+  const py::list items = l[key].cast<py::list>();
+  TORCH_CHECK(items.size() == n, "decode step: '", linear, "' needs one entry of '", key, "' per weight part");
+  for (size_t i = 0; i < n; ++i)
+    if (!items[i].is_none()) out[i] = items[i].cast<torch::Tensor>();
+  return out;
+}
+
 Linear to_linear(const py::dict& s, const char* key) {
   TORCH_CHECK(s.contains(key), "decode step: layer spec has no '", key, "'");
   const py::dict l = s[key].cast<py::dict>();
@@ -75,6 +93,13 @@ Linear to_linear(const py::dict& s, const char* key) {
               "' needs one qtype per weight part");
   TORCH_CHECK(!out.bias_in_linear || (out.weights.size() == 1 && out.qtypes[0] == kDense),
               "decode step: a bias inside the product needs one dense part");
+  const size_t n = out.weights.size();
+  out.scales = opt_tensor_list(l, "scales", n, key);
+  out.zeros = opt_tensor_list(l, "zeros", n, key);
+  out.groups = l.contains("groups") ? l["groups"].cast<std::vector<int64_t>>() : std::vector<int64_t>(n, 0);
+  TORCH_CHECK(out.groups.size() == n, "decode step: '", key, "' needs one group size per weight part");
+  out.perm = opt_tensor(l, "perm");
+  TORCH_CHECK(!out.perm || !out.bias_in_linear, "decode step: a permuted input with the bias inside the product");
   for (size_t i = 0; i < out.weights.size(); ++i) {
     TORCH_CHECK(out.qtypes[i] == kDense || supported(out.qtypes[i]), "decode step: '", key, "' part ", i,
                 " has type ", out.qtypes[i], " without kernels");
@@ -90,7 +115,8 @@ torch::Tensor rows_contiguous(const torch::Tensor& x) {
 class DecodeStep {
  public:
   // spec keys: in_norm, post_attn_norm, [pre_ff_norm, post_ff_norm, q_norm, k_norm], qkv, o,
-  // gate_up, down (each {qtypes, weights, in_features, [bias], [bias_in_linear]}), cos, sin,
+  // gate_up, down (each {qtypes, weights, in_features, [scales, zeros, groups: per part],
+  // [perm], [bias], [bias_in_linear]}), cos, sin,
   // num_heads, num_kv_heads, head_dim, window (-1: none), act (gated_act code), eps, scale,
   // softcap (0: none). All layers must be of one kind (with or without the gemma3 norms).
   void add_layer(const py::dict& s) {
