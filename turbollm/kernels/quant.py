@@ -238,18 +238,29 @@ def ggml_linear_ref(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> tor
 # int8 per-channel, int4 and int3 group-wise
 
 
+def _int8_module(w: torch.Tensor):
+    """The kernel module when ``int8_linear`` multiplies by ``w`` on the C++ kernels, else None."""
+    mod = _kernels(INT8_PER_CHANNEL)
+    return mod if mod is not None and w.shape[1] % 32 == 0 and w.is_contiguous() else None
+
+
 def int8_kernel_path(w: torch.Tensor) -> bool:
     """Whether ``int8_linear`` multiplies by ``w`` on the C++ kernels (else the reference)."""
-    return _kernels(INT8_PER_CHANNEL) is not None and w.shape[1] % 32 == 0 and w.is_contiguous()
+    return _int8_module(w) is not None
+
+
+def int8_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The kernels' int8 row scales: float32, contiguous (no copy when already so)."""
+    return scale.float().contiguous()
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
                 path: str | None = None) -> torch.Tensor:
     """``x @ W.T`` for an int8 per-output-channel weight."""
-    if not int8_kernel_path(w):
+    mod = _int8_module(w)
+    if mod is None:
         return _result(int8_linear_ref(x, w, scale), out)
-    mod, k = _kernels(INT8_PER_CHANNEL), w.shape[1]
-    return _run_linear(mod, x, w, INT8_PER_CHANNEL, k, scale.float().contiguous(), None, 0, out, path)
+    return _run_linear(mod, x, w, INT8_PER_CHANNEL, w.shape[1], int8_scale(scale), None, 0, out, path)
 
 
 def int8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -308,7 +319,7 @@ _GROUPWISE_REFS = {INT4_GROUPWISE: (int4_dequantize_ref, int4_linear_ref),
                    INT3_GROUPWISE: (int3_dequantize_ref, int3_linear_ref)}
 
 
-def _groupwise_meta(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def groupwise_meta(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' group-wise metadata: float16 scales and uint8 zero points (no copy when already so)."""
     return scales.to(torch.float16).contiguous(), zeros.to(torch.uint8).contiguous()
 
@@ -324,20 +335,27 @@ def _groupwise_dequantize(qtype: int, packed: torch.Tensor, k: int, scales: torc
                           group: int) -> torch.Tensor:
     mod = _kernels(qtype)
     if mod is not None and group % 32 == 0 and packed.is_contiguous():
-        return mod.dequant(packed, qtype, k, *_groupwise_meta(scales, zeros), group, None)
+        return mod.dequant(packed, qtype, k, *groupwise_meta(scales, zeros), group, None)
     return _GROUPWISE_REFS[qtype][0](packed, scales, zeros, group)
+
+
+def _groupwise_module(qtype: int, packed: torch.Tensor, k: int, group: int):
+    """The kernel module when the int4 / int3 products multiply by ``packed`` on the C++ kernels, else None."""
+    mod = _kernels(qtype)
+    return mod if mod is not None and group % 32 == 0 and k % group == 0 and packed.is_contiguous() else None
 
 
 def groupwise_kernel_path(qtype: int, packed: torch.Tensor, k: int, group: int) -> bool:
     """Whether the int4 / int3 products multiply by ``packed`` on the C++ kernels (else the reference)."""
-    return _kernels(qtype) is not None and group % 32 == 0 and k % group == 0 and packed.is_contiguous()
+    return _groupwise_module(qtype, packed, k, group) is not None
 
 
 def _groupwise_linear(qtype: int, x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
                       zeros: torch.Tensor, group: int, out: torch.Tensor | None, path: str | None) -> torch.Tensor:
-    if not groupwise_kernel_path(qtype, packed, k, group):
+    mod = _groupwise_module(qtype, packed, k, group)
+    if mod is None:
         return _result(_GROUPWISE_REFS[qtype][1](x, packed, scales, zeros, group), out)
-    return _run_linear(_kernels(qtype), x, packed, qtype, k, *_groupwise_meta(scales, zeros), group, out, path)
+    return _run_linear(mod, x, packed, qtype, k, *groupwise_meta(scales, zeros), group, out, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from turbollm.errors import InvalidRequestError, WeightLoadError
-from turbollm.kernels.quant import INT3_GROUPWISE, INT4_GROUPWISE, groupwise_kernel_path, int3_linear, int4_linear
+from turbollm.kernels.quant import (INT3_GROUPWISE, INT4_GROUPWISE, groupwise_kernel_path, groupwise_meta, int3_linear,
+                                   int4_linear)
 from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
 from turbollm.quantization.packing import pack_3bit, pack_nibbles, unpack_3bit, unpack_nibbles
@@ -149,11 +150,9 @@ class Int4LinearMethod(LinearMethod):
         if layer.weight.dtype != torch.uint8:
             return None
         storage, g = CODE_STORAGE[layer.int4_storage_bits], layer.int4_group_size
-        scales, zeros = layer.weight_scales, layer.weight_zeros
-        if not groupwise_kernel_path(storage.qtype, layer.weight, layer.in_features, g) \
-                or scales.dtype != torch.float16 or zeros.dtype != torch.uint8 \
-                or not (scales.is_contiguous() and zeros.is_contiguous()):
+        if not groupwise_kernel_path(storage.qtype, layer.weight, layer.in_features, g):
             return None
+        scales, zeros = groupwise_meta(layer.weight_scales, layer.weight_zeros)  # as `apply`'s product takes them
         return DecodeParts(((storage.qtype, layer.weight),), group_params=((scales, zeros, g),),
                            perm=getattr(layer, "weight_perm", None))
 

@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from turbollm.kernels.quant import INT8_PER_CHANNEL, int8_kernel_path, int8_linear
+from turbollm.kernels.quant import INT8_PER_CHANNEL, int8_kernel_path, int8_linear, int8_scale
 from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.group_quant import int8_per_channel
 
@@ -59,11 +59,10 @@ class Int8LinearMethod(LinearMethod):
         return 8.0 + 16.0 / layer.in_features
 
     def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
-        w, scale = layer.weight, layer.weight_scale
-        if w.dtype != torch.int8 or not int8_kernel_path(w) or scale.dtype != torch.float32 \
-                or not scale.is_contiguous():
+        w = layer.weight
+        if w.dtype != torch.int8 or not int8_kernel_path(w):
             return None
-        return DecodeParts(((INT8_PER_CHANNEL, w),), group_params=((scale, None, 0),))
+        return DecodeParts(((INT8_PER_CHANNEL, w),), group_params=((int8_scale(layer.weight_scale), None, 0),))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.in_features)
