@@ -33,7 +33,7 @@ from turbollm.loader import load_model  # noqa: E402
 from turbollm.quantization.checkpoint_layouts import get_layout  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import layer_codes  # noqa: E402
-from turbollm.quantize.awq import AWQAlgorithm, fold_scales  # noqa: E402
+from turbollm.quantize.awq import AWQAlgorithm, branch_error, candidate_scales, fold_scales  # noqa: E402
 from turbollm.quantize.export_safetensors import write_quantized_folder  # noqa: E402
 from turbollm.quantize.gptq import GPTQAlgorithm  # noqa: E402
 from turbollm.quantize.layer_runner import CalibrationRunner, get_adapter  # noqa: E402
@@ -151,6 +151,43 @@ def test_awq_closer_than_rtn(tiny, arch, clip):
     rtn_err = float((_logits(rtn_model, WINDOWS) - fp).pow(2).mean())
     assert awq_err < rtn_err, (awq_err, rtn_err, alg.alphas)
     assert any(a > 0 for pair in alg.alphas.values() for a in pair)  # salient channels got scaled
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@torch.no_grad()
+def test_awq_branch_error_is_the_branch_output_error(tiny, arch):
+    """AWQ's objective for the norm-fed linears: the branch output with `first` replaced by
+    Q(W·s)/s, against the float branch; `first` is restored afterwards."""
+    model = load_model(str(tiny(arch))).model
+    runner = CalibrationRunner(model, WINDOWS[:4], tokens_per_batch=96)
+    assert len(runner.batches) == 2
+    x = runner.embed(get_adapter(arch))
+    layer = model.model.layers[0]
+    g, grid = 32, QuantGrid(4)
+    for br in get_adapter(arch).branches(layer):
+        parts = [(br.norm(x[rows]), batch) for rows, batch in runner.batches]
+        w = br.first.weight.data.clone()
+        targets = [br.inner(h, batch) for h, batch in parts]
+        s = candidate_scales(torch.cat([h for h, _ in parts]).abs().mean(0), None, 0.5)
+        with branch_error(br, parts, grid, g) as error:
+            got_one, got_s = error(torch.ones_like(s)), error(s)
+        assert torch.equal(br.first.weight.data, w)
+        for scale, got in ((torch.ones_like(s), got_one), (s, got_s)):
+            br.first.weight.data.copy_(rtn_quantize(w * scale, grid, g).dequantize() / scale)
+            want = sum(float((br.inner(h, batch) - t).pow(2).sum()) for (h, batch), t in zip(parts, targets))
+            br.first.weight.data.copy_(w)
+            assert got == pytest.approx(want, rel=1e-5) and want > 0
+        assert got_one != got_s
+
+
+def test_awq_candidate_scales():
+    x_mean = torch.tensor([4.0, 1.0, 0.25, 1.0])
+    w_mean = torch.tensor([0.5, 0.5, 0.25, 1.0])
+    torch.testing.assert_close(candidate_scales(x_mean, None, 0.0), torch.ones(4))
+    torch.testing.assert_close(candidate_scales(x_mean, None, 0.5), torch.tensor([2.0, 1.0, 0.5, 1.0]))
+    s = candidate_scales(x_mean, w_mean, 0.0)  # 1 / w_mean, normalized by sqrt(max·min)
+    raw = 1 / (w_mean + 1e-4)
+    torch.testing.assert_close(s, raw / (raw.max() * raw.min()).sqrt())
 
 
 def _loaded_dequantized(layer: LinearBase) -> torch.Tensor:

@@ -6,9 +6,19 @@ for a linear ``y = W x`` it scales input channel c of W up by ``s_c`` and the ac
 down by ``s_c`` (``y = (W·diag(s)) (diag(s)⁻¹ x)``), which is exact in float but shrinks the
 relative rounding error of the scaled-up columns. Per linear group:
 
-- ``s = mean|x|^α`` (per input channel, over calibration tokens), normalized by
-  ``sqrt(max·min)``; α on a grid of `N_GRID` = 20 points in [0, 1) (α = 0 is plain RTN), the
-  one minimizing the output error ``||X (Q(W·s)/s - W)ᵀ||²`` on calibration inputs X.
+- ``s = mean|x|^α / w_mean^(1−α)`` per input channel, normalized by ``sqrt(max·min)``, with
+  ``mean|x|`` over the calibration tokens and ``w_mean`` the channel's mean |w| relative to the
+  largest |w| of its quantization group (the scale family of the paper's released code: at α = 0
+  it evens out how much of each group's range a column uses, at α → 1 it follows the
+  activations). α on a grid of `N_GRID` = 20 points in [0, 1).
+- The α of least error. For the norm-fed linears (Q/K/V, gate/up) the error is measured on the
+  **whole branch output** with `second` still in float: attention through RoPE, softmax and
+  o_proj on whole calibration sequences, the MLP through ``act(gate) * up`` and down_proj on
+  sampled tokens. For the second linear (o_proj fed by V, down_proj fed by up) it is the
+  linear's own output error ``||X (Q(W·s)/s - W)ᵀ||²``; V → o_proj keeps ``s = mean|x|^α``
+  (with GQA one V channel's scale serves the o_proj columns of `group` query heads).
+  On qwen2.5-coder-0.5b this family and objective are what made AWQ beat round-to-nearest in
+  perplexity; per-linear errors with ``mean|x|^α`` alone did not (docs/QUANTIZATION.md).
 - ``diag(s)⁻¹`` is folded into whatever produces x, so inference costs nothing:
   attention input → the preceding RMSNorm's weight (Q/K/V share it), the MLP input → its
   RMSNorm (gate/up share it), o_proj's input → the rows of V (attention is linear in V;
@@ -25,15 +35,19 @@ relative rounding error of the scaled-up columns. Per linear group:
 Statistics: ``mean|x|`` over every calibration token for the norm-fed linears; the error
 terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from whole
 sequences spread over the calibration set (`BranchAlgorithm.stage2_batches`), which keeps the
-20-point searches affordable on a CPU. Errors use ``XᵀX`` when it is smaller than X.
+20-point searches affordable on a CPU; the attention branch's output error on every token of
+those batches (whole sequences). Linear errors use ``XᵀX`` when it is smaller than X.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
+from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
 from turbollm.quantize.layer_runner import Branch, CalibrationRunner
 from turbollm.quantize.pipeline import BranchAlgorithm
@@ -113,20 +127,58 @@ def quantize_with_ratio(w: torch.Tensor, grid: QuantGrid, g: int, ratio: torch.T
     return QuantizedWeight(q, scale, zero, grid.bits, g, symmetric=grid.symmetric)
 
 
-def search_scale(w: torch.Tensor, x_mean: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int,
-                 expand=lambda s: s) -> tuple[torch.Tensor, float]:
-    """The per-channel scale ``mean|x|^α`` (α on the grid) of least output error, and that α."""
-    base = x_mean.clamp(min=1e-4)
-    best = (math.inf, torch.ones_like(base), 0.0)
+def group_relative_mean(w: torch.Tensor, g: int) -> torch.Tensor:
+    """Per input channel of ``w [N, K]``: mean over rows of |w| / (its group's max |w|)."""
+    wg = w.abs().view(w.shape[0], -1, g)
+    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).view_as(w).mean(0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """``mean|x|^α`` (``w_mean`` None) or ``mean|x|^α / w_mean^(1−α)``, normalized by sqrt(max·min)."""
+    if w_mean is None:
+        s = x_mean.clamp(min=1e-4).pow(alpha)
+    else:
+        s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor | None,
+                 error: Callable[[torch.Tensor], float]) -> tuple[torch.Tensor, float]:
+    """The candidate scale (α on the grid) of least ``error(s)``, and that α."""
+    best = (math.inf, None, 0.0)
     for i in range(N_GRID):
-        alpha = i / N_GRID
-        s = base.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()
-        cols = expand(s)
-        err = loss.total(fake_quantize(w * cols, grid, g) / cols - w)
+        s = candidate_scales(x_mean, w_mean, i / N_GRID)
+        err = error(s)
         if err < best[0]:
-            best = (err, s, alpha)
+            best = (err, s, i / N_GRID)
     return best[1], best[2]
+
+
+def linear_error(w: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int,
+                 expand: Callable[[torch.Tensor], torch.Tensor] = lambda s: s) -> Callable[[torch.Tensor], float]:
+    """``s ↦ ||X (Q(W·s)/s − W)ᵀ||²`` for one linear (`expand` maps s to W's input columns)."""
+    def error(s: torch.Tensor) -> float:
+        cols = expand(s)
+        return loss.total(fake_quantize(w * cols, grid, g) / cols - w)
+    return error
+
+
+@contextmanager
+def branch_error(br: Branch, parts: list[tuple[torch.Tensor, ForwardBatch | None]], grid: QuantGrid,
+                 g: int) -> Iterator[Callable[[torch.Tensor], float]]:
+    """``s ↦ Σ ||inner'(h) − inner(h)||²`` over the (branch input h, batch) `parts`, with `first`'s
+    weight replaced by ``Q(W·s)/s`` in inner' (`second` as it is: float). Restored on exit."""
+    w = br.first.weight.data
+    orig = w.clone()
+    targets = [br.inner(h, batch) for h, batch in parts]
+
+    def error(s: torch.Tensor) -> float:
+        w.copy_(fake_quantize(orig * s, grid, g) / s)
+        return sum(float((br.inner(h, batch) - t).pow(2).sum()) for (h, batch), t in zip(parts, targets))
+    try:
+        yield error
+    finally:
+        w.copy_(orig)
 
 
 def search_clip(w: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int, rows: slice | None = None) -> torch.Tensor:
@@ -158,11 +210,13 @@ class AWQAlgorithm(BranchAlgorithm):
         self.kept: list[int] = []
         self.first_stats: ActStats | None = None
         self.second_stats: ActStats | None = None
+        self.whole: list[tuple[torch.Tensor, ForwardBatch]] = []  # attention inputs of the kept batches
         self.alphas: dict[str, tuple[float, float]] = {}
 
     def prepare(self, runner: CalibrationRunner) -> None:
         per_batch = runner.batches[0][0].stop - runner.batches[0][0].start
         self.kept = runner.spread(max(1, math.ceil(self.search_tokens / per_batch)))
+        self.batches = runner.batches
 
     def stage2_batches(self, runner: CalibrationRunner) -> list[int]:
         return self.kept
@@ -174,6 +228,8 @@ class AWQAlgorithm(BranchAlgorithm):
         if self.first_stats is None:
             self.first_stats = ActStats(br.first.in_features, self._quota(), self.generator)
         self.first_stats.add(h, keep=index in self.kept)
+        if br.name == "self_attn" and index in self.kept:
+            self.whole.append((h.clone(), self.batches[index][1]))
 
     def observe_second(self, br: Branch, z: torch.Tensor, index: int) -> None:
         if self.second_stats is None:
@@ -186,16 +242,24 @@ class AWQAlgorithm(BranchAlgorithm):
         self.first_stats = self.second_stats = None
         g, grid = self.group_size, self.grid
         w1, w2 = br.first.weight.data, br.second.weight.data
-        loss1, loss2 = OutputLoss(first_stats.sample()), OutputLoss(second_stats.sample())
-        s1, a1 = search_scale(w1, first_stats.mean_abs(), loss1, grid, g)
-        s2, a2 = search_scale(w2, br.reduce(second_stats.mean_abs()), loss2, grid, g, br.expand)
+        loss2 = OutputLoss(second_stats.sample())
+        # norm-fed linears: the branch output (attention needs whole sequences; the MLP is token-wise)
+        parts = self.whole if br.name == "self_attn" else [(first_stats.sample(), None)]
+        self.whole = []
+        with branch_error(br, parts, grid, g) as error1:
+            s1, a1 = search_scale(first_stats.mean_abs(), group_relative_mean(w1, g), error1)
+        if br.name == "mlp":
+            s2, a2 = search_scale(second_stats.mean_abs(), group_relative_mean(w2, g), linear_error(w2, loss2, grid, g))
+        else:  # V → o_proj: mean|x|^α, one V channel's statistic averaged over the o_proj columns it feeds
+            s2, a2 = search_scale(br.reduce(second_stats.mean_abs()), None,
+                                  linear_error(w2, loss2, grid, g, br.expand))
         self.alphas[self.name(br.first)] = (a1, a2)
         fold_scales(br, s1, s2)
         if not self.clip:
             self.store(br.first, rtn_quantize(w1, grid, g))
             self.store(br.second, rtn_quantize(w2, grid, g))
             return
-        r1 = search_clip(w1, loss1.scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
+        r1 = search_clip(w1, OutputLoss(first_stats.sample()).scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
         r2 = search_clip(w2, loss2.scaled(br.expand(s2)), grid, g)
         self.store(br.first, quantize_with_ratio(w1, grid, g, r1))
         self.store(br.second, quantize_with_ratio(w2, grid, g, r2))
