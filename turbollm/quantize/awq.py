@@ -208,6 +208,7 @@ class AWQAlgorithm(BranchAlgorithm):
         self.grid, self.group_size, self.search_tokens, self.clip = grid, group_size, search_tokens, clip
         self.generator = torch.Generator().manual_seed(seed)
         self.kept: list[int] = []
+        self.batches: list[tuple[slice, ForwardBatch]] = []  # the runner's, set in `prepare`
         self.first_stats: ActStats | None = None
         self.second_stats: ActStats | None = None
         self.whole: list[tuple[torch.Tensor, ForwardBatch]] = []  # attention inputs of the kept batches
@@ -242,9 +243,9 @@ class AWQAlgorithm(BranchAlgorithm):
         self.first_stats = self.second_stats = None
         g, grid = self.group_size, self.grid
         w1, w2 = br.first.weight.data, br.second.weight.data
-        loss2 = OutputLoss(second_stats.sample())
+        x1, loss2 = first_stats.sample(), OutputLoss(second_stats.sample())
         # norm-fed linears: the branch output (attention needs whole sequences; the MLP is token-wise)
-        parts = self.whole if br.name == "self_attn" else [(first_stats.sample(), None)]
+        parts = self.whole if br.name == "self_attn" else [(x1, None)]
         self.whole = []
         with branch_error(br, parts, grid, g) as error1:
             s1, a1 = search_scale(first_stats.mean_abs(), group_relative_mean(w1, g), error1)
@@ -259,7 +260,7 @@ class AWQAlgorithm(BranchAlgorithm):
             self.store(br.first, rtn_quantize(w1, grid, g))
             self.store(br.second, rtn_quantize(w2, grid, g))
             return
-        r1 = search_clip(w1, OutputLoss(first_stats.sample()).scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
+        r1 = search_clip(w1, OutputLoss(x1).scaled(s1), grid, g, br.feeder if br.name == "self_attn" else None)
         r2 = search_clip(w2, loss2.scaled(br.expand(s2)), grid, g)
         self.store(br.first, quantize_with_ratio(w1, grid, g, r1))
         self.store(br.second, quantize_with_ratio(w2, grid, g, r2))
