@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--no-latency", action="store_true", help="quality and memory only")
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--compare", default=None, metavar="LABEL",
+                   help="also print every row paired against row LABEL on the same tokens: ln(PPL ratio) and "
+                        "KLD difference with standard errors over windows")
     ns = p.parse_args(argv)
     ns.rows = [("fp32 reference" if f == "none" else f, ns.model, f) for f in ns.formats.split(",") if f]
     for spec in ns.row:
@@ -62,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     labels = [r[0] for r in ns.rows]
     if len(set(labels)) != len(labels):
         p.error(f"row labels must be unique: {labels}")
+    candidates = [r[0] for r in ns.rows if r[2] != "none"]
+    if ns.compare is not None and ns.compare not in candidates:
+        p.error(f"--compare {ns.compare!r} is not a candidate row (one of {candidates})")
     return ns
 
 
@@ -137,6 +144,22 @@ def markdown_row(r: dict) -> str:
             f"| {r['top1_agreement']:.2f}% | {speed} |")
 
 
+def print_paired(rows: list[dict], label: str) -> None:
+    """Each candidate row against row `label` on the same scored tokens (window-clustered errors)."""
+    from turbollm.eval.perplexity import paired_difference
+
+    base = next(r for r in rows if r["format"] == label)
+    print(f"\npaired against {label!r} (mean per scored token; ± one standard error over the "
+          f"{len(base['batch_tokens'])} window batches):\n")
+    print("| format | ln(PPL / PPL base) | PPL ratio | KLD − KLD base |\n|---|---:|---:|---:|")
+    for r in rows:
+        if "batch_nll" not in r or r is base:
+            continue
+        d, e = paired_difference(r["batch_nll"], base["batch_nll"], r["batch_tokens"])
+        k, ke = paired_difference(r["batch_kl"], base["batch_kl"], r["batch_tokens"])
+        print(f"| {r['format']} | {d:+.5f} ± {e:.5f} | {math.exp(d):.4f} | {k:+.5f} ± {ke:.5f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -154,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in rows:
         print(markdown_row(r))
+    if ns.compare is not None:
+        print_paired(rows, ns.compare)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"model": ns.model, "ctx": ns.ctx, "scoring": ns.score, "max_tokens": ns.max_tokens,

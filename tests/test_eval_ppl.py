@@ -17,8 +17,8 @@ import torch
 
 from turbollm.cli.main import main
 from turbollm.eval.parity import score
-from turbollm.eval.perplexity import (QMATMUL_ENV, EvalError, check_window_args, evaluate, load_text, plan_windows,
-                                      qmatmul_mode)
+from turbollm.eval.perplexity import (QMATMUL_ENV, EvalError, check_window_args, evaluate, load_text,
+                                      paired_difference, plan_windows, qmatmul_mode)
 from turbollm.loader import load_model
 
 VOCAB = 384
@@ -203,8 +203,24 @@ def test_kl_against_perturbed_copy_matches_direct(tiny, perturbed):
     assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-5)
     assert got["ref_ppl"] == pytest.approx(want["ref_ppl"], rel=1e-5)
     assert got["delta_ppl"] == pytest.approx(got["ppl"] - got["ref_ppl"])
+    assert got["ln_ppl_ratio"] == pytest.approx(math.log(got["ppl"] / got["ref_ppl"]), rel=1e-9, abs=1e-12)
+    assert 0 < got["ln_ppl_ratio_stderr"] < math.inf and sum(got["batch_tokens"]) == plan.tokens
     both = evaluate([tiny, perturbed], plan, tiny, progress=False)  # several candidates, one reference pass
     assert both[0]["kld_mean"] < 1e-12 and both[1]["kld_mean"] == pytest.approx(got["kld_mean"], rel=1e-4)
+    # candidates paired against each other: perturbed vs the reference's own copy is the row against the reference
+    d, _ = paired_difference(both[1]["batch_nll"], both[0]["batch_nll"], both[1]["batch_tokens"])
+    k, _ = paired_difference(both[1]["batch_kl"], both[0]["batch_kl"], both[1]["batch_tokens"])
+    assert d == pytest.approx(got["ln_ppl_ratio"], rel=1e-6) and k == pytest.approx(got["kld_mean"], rel=1e-4)
+
+
+def test_paired_difference_by_hand():
+    """Mean of Σ(a−b)/Σn, error from the batches as units: d = (2, 0, 4) over n = (2, 2, 4), mean 6/8;
+    residuals d − n·mean = (0.5, −1.5, 1); variance 3/2 · 3.5 = 5.25; error sqrt(5.25)/8."""
+    mean, err = paired_difference([3.0, 1.0, 5.0], [1.0, 1.0, 1.0], [2, 2, 4])
+    assert mean == pytest.approx(0.75) and err == pytest.approx(math.sqrt(5.25) / 8)
+    assert math.isnan(paired_difference([1.0], [0.0], [3])[1])
+    with pytest.raises(EvalError):
+        paired_difference([1.0, 2.0], [0.0], [3, 3])
 
 
 def test_float16_kv_candidate_is_measured_against_float32(tiny, tiny_folder, tmp_path):
@@ -265,15 +281,19 @@ def test_quant_table_script_on_tiny(tiny_folder, tmp_path, capsys):
     spec.loader.exec_module(qt)
     (tmp_path / "text.raw").write_text(" ".join(f"w{t}" for t in _ids(CTX * 6, seed=5)) + "\n")
     out = tmp_path / "table.json"
-    assert qt.main([str(tiny_folder), "--formats", "none", "--row", f"copy={tiny_folder}", "--data",
-                    str(tmp_path / "text.raw"), "--ctx", str(CTX), "--max-tokens", "60", "--threads", "1",
-                    "--input-len", "16", "--output-len", "4", "--num-iters", "1", "--json", str(out)]) == 0
+    assert qt.main([str(tiny_folder), "--formats", "none", "--row", f"copy={tiny_folder}", "--row",
+                    f"copy2={tiny_folder}", "--data", str(tmp_path / "text.raw"), "--ctx", str(CTX), "--max-tokens",
+                    "60", "--threads", "1", "--input-len", "16", "--output-len", "4", "--num-iters", "1",
+                    "--compare", "copy", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert qt.HEADER.splitlines()[0] in printed and "| fp32 reference | 32.00 |" in printed and "| copy |" in printed
+    assert "paired against 'copy'" in printed and "| copy2 | +0.00000 ± 0.00000 | 1.0000 | +0.00000 ± 0.00000 |" in printed
     rows = json.loads(out.read_text())["rows"]
-    assert [r["format"] for r in rows] == ["fp32 reference", "copy"] and rows[1]["tokens"] == 60
+    assert [r["format"] for r in rows] == ["fp32 reference", "copy", "copy2"] and rows[1]["tokens"] == 60
     assert rows[1]["kld_mean"] < 1e-12 and rows[1]["ppl"] == pytest.approx(rows[0]["ppl"])
     assert rows[0]["resident_over_format"] == 1.0 and rows[0]["format_bytes"] == rows[0]["weight_bytes"]
     assert rows[0]["latency"]["decode_tok_per_s"] > 0 and rows[1]["latency"]["prefill_tok_per_s"] > 0
     with pytest.raises(SystemExit):
         qt.parse_args(["m", "--row", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        qt.parse_args(["m", "--formats", "none,int8", "--compare", "fp32 reference"])

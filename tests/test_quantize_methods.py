@@ -352,6 +352,7 @@ def test_bad_quantization_config(int4_folder, tmp_path, edit, match):
     (dict(method="gptq", group_size=100), "--group-size must be one of 32, 64, 128"),
     (dict(method="awq", act_order=True), "--act-order applies to --method gptq only"),
     (dict(method="gptq", awq_clip=False), "--awq-no-clip applies to --method awq only"),
+    (dict(method="int4", awq_clip=True), "--awq-clip applies to --method awq only"),
     (dict(method="gptq", bits=8, act_order=True), "per channel"),
     (dict(method="int4", calib_samples=64), "uses no calibration data"),
     (dict(method="gguf"), "--method gguf needs --type"),
@@ -394,3 +395,16 @@ def test_cli_lists_match_registries():
 
     assert set(quantize_cmd.METHODS) == {*QUANTIZE_METHODS, "gguf"}
     assert quantize_cmd.GGUF_TYPES == GGUF_TYPES
+
+
+def test_awq_clip_flags():
+    """Clipping is off unless --awq-clip is given; --awq-no-clip says the default explicitly; not both."""
+    from turbollm.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    base = ["quantize", "m", "--method", "awq", "--out", "o"]
+    assert parse(base).awq_clip is None and parse(base + ["--awq-clip"]).awq_clip is True
+    assert parse(base + ["--awq-no-clip"]).awq_clip is False
+    with pytest.raises(SystemExit):
+        parse(base + ["--awq-clip", "--awq-no-clip"])
+    assert not QuantizeOptions("m", "awq", "o").clip and QuantizeOptions("m", "awq", "o", awq_clip=True).clip

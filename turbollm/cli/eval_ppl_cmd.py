@@ -119,7 +119,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     print_block("eval ppl", {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()
-                             if k not in ("scoring", "data", "model_path")})
+                             if k not in ("scoring", "data", "model_path") and not k.startswith("batch_")})
     write_json(ns.json, record)
     return record
 

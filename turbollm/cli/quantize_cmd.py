@@ -21,7 +21,7 @@ METHODS = ("int8", "int4", "gptq", "awq", "gguf")
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 METHOD_HELP = ("int8: round-to-nearest, per output channel; int4: round-to-nearest, group-wise (4 or 3 bits); "
                "gptq: Hessian-based error feedback from calibration activations; awq: activation-aware scales "
-               "folded into the preceding ops, clipping, then rounding; gguf: llama.cpp block types (--type)")
+               "folded into the preceding ops, then rounding (clipping with --awq-clip); gguf: llama.cpp block types (--type)")
 
 
 def add_quantize(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +42,12 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--damp", type=float, default=0.01, help="gptq: dampening, fraction of the mean Hessian diagonal")
     p.add_argument("--awq-search-tokens", type=int, default=2048,
                    help="awq: tokens the scale and clipping searches measure errors on (default 2048)")
-    p.add_argument("--awq-no-clip", action="store_true",
-                   help="awq: skip the weight-clipping search (keep each group's full range); see docs/QUANTIZATION.md")
+    clip = p.add_mutually_exclusive_group()
+    clip.add_argument("--awq-clip", dest="awq_clip", action="store_const", const=True, default=None,
+                      help="awq: also search a clipping ratio per weight group (off by default: it helped "
+                           "smollm2-135m a little and hurt qwen2.5-coder-0.5b badly; see docs/QUANTIZATION.md)")
+    clip.add_argument("--awq-no-clip", dest="awq_clip", action="store_const", const=False,
+                      help="awq: keep each group's full range (the default)")
     p.add_argument("--type", dest="gguf_type", default=None, choices=GGUF_TYPES, help="gguf: the file type")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -61,10 +65,25 @@ def run_quantize_cmd(ns: argparse.Namespace) -> int:
     opts = QuantizeOptions(ns.model, ns.method, ns.out, bits=ns.bits, group_size=ns.group_size,
                            act_order=ns.act_order, calib_samples=ns.calib_samples, calib_seq_len=ns.calib_seq_len,
                            calib_data=ns.calib_data, damp=ns.damp, awq_search_tokens=ns.awq_search_tokens,
-                           awq_clip=not ns.awq_no_clip,
+                           awq_clip=ns.awq_clip,
                            gguf_type=ns.gguf_type, progress=not ns.no_progress)
     s = run_quantize(opts)
     per_layer = f", {sum(s.layer_seconds) / len(s.layer_seconds):.1f} s per layer" if s.layer_seconds else ""
     print(f"wrote {s.out} ({s.out_bytes / 1e6:.1f} MB) in {s.seconds:.0f} s "
           f"(quantization {s.quantize_seconds:.0f} s{per_layer})")
+    alphas = s.details.get("alphas")
+    if alphas:
+        print("awq scales (the rest: no scaling had the least error): " + awq_scaled_counts(alphas))
     return 0
+
+
+def awq_scaled_counts(alphas: dict[str, tuple[float | None, float | None]]) -> str:
+    """How many of AWQ's scale searches chose a scaling, per position: "attention input 20/24, ..."."""
+    counts: dict[str, list[int]] = {}
+    for name, pair in alphas.items():
+        attn = "attn" in name
+        for label, a in zip(("attention input", "V → o_proj") if attn else ("MLP input", "up → down_proj"), pair):
+            c = counts.setdefault(label, [0, 0])
+            c[0] += a is not None
+            c[1] += 1
+    return ", ".join(f"{label} {k}/{n}" for label, (k, n) in counts.items())

@@ -180,8 +180,18 @@ class _Acc:
         self.top1 = 0
         self.kl_sum = 0.0
         self.kl: list[torch.Tensor] = []  # float64 per scored token
+        self.window_nll: list[float] = []  # NLL summed over each batch of windows (paired comparisons)
+        self.window_kl: list[float] = []
+        self.window_n: list[int] = []
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None = None) -> None:
+        nll0, kl0 = self.nll, self.kl_sum
+        self._add(logits, targets, ref)
+        self.window_nll.append(self.nll - nll0)
+        self.window_kl.append(self.kl_sum - kl0)
+        self.window_n.append(len(targets))
+
+    def _add(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None) -> None:
         for s in range(0, len(targets), ROW_CHUNK):
             lq = logits[s:s + ROW_CHUNK]
             lpq = lq.double().log_softmax(-1)
@@ -264,12 +274,37 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
     out = []
     for acc in accs:
         r = {"windows": len(plan.windows), "tokens": acc.n, "ppl": acc.ppl, "ppl_stderr": acc.ppl_stderr(),
-             "seconds": round(seconds, 2), "tokens_per_s": round(acc.n / seconds, 2)}
+             "seconds": round(seconds, 2), "tokens_per_s": round(acc.n / seconds, 2),
+             "batch_tokens": acc.window_n, "batch_nll": acc.window_nll}
         if reference is not None:
             r.update(ref_ppl=ref_acc.ppl, delta_ppl=acc.ppl - ref_acc.ppl,
-                     delta_ppl_pct=100.0 * (acc.ppl - ref_acc.ppl) / ref_acc.ppl, **_kl_summary(acc))
+                     delta_ppl_pct=100.0 * (acc.ppl - ref_acc.ppl) / ref_acc.ppl, **_kl_summary(acc),
+                     batch_kl=acc.window_kl)
+            r["ln_ppl_ratio"], r["ln_ppl_ratio_stderr"] = paired_difference(r["batch_nll"], ref_acc.window_nll,
+                                                                            acc.window_n)
         out.append(r)
     return out
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], counts: Sequence[int]) -> tuple[float, float]:
+    """Mean per-token difference of two per-batch sums over the same scored tokens, and its standard error.
+
+    `a` and `b` hold, per batch of windows, a quantity summed over that batch's `counts` scored
+    tokens (NLL or KL) for two models on identical tokens. The mean is ``Σ(a−b) / Σcounts``; its
+    standard error treats the batches (not the tokens, which are correlated within a window) as
+    the independent units: ``sqrt(B/(B−1) · Σ_b (d_b − n_b·mean)²) / Σn`` (a ratio estimator over
+    clusters). For NLL the mean is ``ln(PPL(a)/PPL(b))``. NaN error with fewer than two batches.
+    """
+    if not (len(a) == len(b) == len(counts)) or not counts:
+        raise EvalError("paired comparison needs per-batch sums over the same batches")
+    n = float(sum(counts))
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / n
+    nb = len(d)
+    if nb < 2:
+        return mean, float("nan")
+    var = nb / (nb - 1) * sum((di - ni * mean) ** 2 for di, ni in zip(d, counts))
+    return mean, math.sqrt(var) / n
 
 
 def _progress(total: int, enabled: bool):

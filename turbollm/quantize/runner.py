@@ -96,8 +96,8 @@ def run_quantize(opts: QuantizeOptions, log: Callable[[str], None] = print) -> Q
         else:
             from turbollm.quantize.awq import AWQAlgorithm
 
-            alg = AWQAlgorithm(grid, group, opts.awq_search_tokens, clip=opts.awq_clip)
-            extra["clip"] = opts.awq_clip
+            alg = AWQAlgorithm(grid, group, opts.awq_search_tokens, clip=opts.clip)
+            extra["clip"] = opts.clip
         report = quantize_decoder(loaded.model, calib.windows, alg, progress=opts.progress,
                                   desc=f"{spec.name} {bits}-bit")
         results = alg.results
