@@ -71,19 +71,5 @@ def run_quantize_cmd(ns: argparse.Namespace) -> int:
     per_layer = f", {sum(s.layer_seconds) / len(s.layer_seconds):.1f} s per layer" if s.layer_seconds else ""
     print(f"wrote {s.out} ({s.out_bytes / 1e6:.1f} MB) in {s.seconds:.0f} s "
           f"(quantization {s.quantize_seconds:.0f} s{per_layer})")
-    alphas = s.details.get("alphas")
-    if alphas:
-        print("awq scales (the rest: no scaling had the least error): " + awq_scaled_counts(alphas))
     return 0
 
-
-def awq_scaled_counts(alphas: dict[str, tuple[float | None, float | None]]) -> str:
-    """How many of AWQ's scale searches chose a scaling, per position: "attention input 20/24, ..."."""
-    counts: dict[str, list[int]] = {}
-    for name, pair in alphas.items():
-        attn = "attn" in name
-        for label, a in zip(("attention input", "V → o_proj") if attn else ("MLP input", "up → down_proj"), pair):
-            c = counts.setdefault(label, [0, 0])
-            c[0] += a is not None
-            c[1] += 1
-    return ", ".join(f"{label} {k}/{n}" for label, (k, n) in counts.items())

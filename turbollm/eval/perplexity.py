@@ -180,16 +180,16 @@ class _Acc:
         self.top1 = 0
         self.kl_sum = 0.0
         self.kl: list[torch.Tensor] = []  # float64 per scored token
-        self.window_nll: list[float] = []  # NLL summed over each batch of windows (paired comparisons)
-        self.window_kl: list[float] = []
-        self.window_n: list[int] = []
+        self.batch_nll: list[float] = []  # NLL summed over each batch of windows (paired comparisons)
+        self.batch_kl: list[float] = []
+        self.batch_n: list[int] = []
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None = None) -> None:
         nll0, kl0 = self.nll, self.kl_sum
         self._add(logits, targets, ref)
-        self.window_nll.append(self.nll - nll0)
-        self.window_kl.append(self.kl_sum - kl0)
-        self.window_n.append(len(targets))
+        self.batch_nll.append(self.nll - nll0)
+        self.batch_kl.append(self.kl_sum - kl0)
+        self.batch_n.append(len(targets))
 
     def _add(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None) -> None:
         for s in range(0, len(targets), ROW_CHUNK):
@@ -275,13 +275,13 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
     for acc in accs:
         r = {"windows": len(plan.windows), "tokens": acc.n, "ppl": acc.ppl, "ppl_stderr": acc.ppl_stderr(),
              "seconds": round(seconds, 2), "tokens_per_s": round(acc.n / seconds, 2),
-             "batch_tokens": acc.window_n, "batch_nll": acc.window_nll}
+             "batch_tokens": acc.batch_n, "batch_nll": acc.batch_nll}
         if reference is not None:
             r.update(ref_ppl=ref_acc.ppl, delta_ppl=acc.ppl - ref_acc.ppl,
                      delta_ppl_pct=100.0 * (acc.ppl - ref_acc.ppl) / ref_acc.ppl, **_kl_summary(acc),
-                     batch_kl=acc.window_kl)
-            r["ln_ppl_ratio"], r["ln_ppl_ratio_stderr"] = paired_difference(r["batch_nll"], ref_acc.window_nll,
-                                                                            acc.window_n)
+                     batch_kl=acc.batch_kl)
+            r["ln_ppl_ratio"], r["ln_ppl_ratio_stderr"] = paired_difference(acc.batch_nll, ref_acc.batch_nll,
+                                                                            acc.batch_n)
         out.append(r)
     return out
 
