@@ -72,4 +72,3 @@ def run_quantize_cmd(ns: argparse.Namespace) -> int:
     print(f"wrote {s.out} ({s.out_bytes / 1e6:.1f} MB) in {s.seconds:.0f} s "
           f"(quantization {s.quantize_seconds:.0f} s{per_layer})")
     return 0
-
