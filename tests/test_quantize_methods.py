@@ -34,6 +34,7 @@ from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.quantization.footprint import format_bytes  # noqa: E402
+from turbollm.quantization.equalize import equalize_decoder  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, int8_per_channel, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import Int4LinearMethod, layer_codes, set_int4_weight  # noqa: E402
 from turbollm.quantization.packing import (pack_3bit, pack_awq, pack_int32, pack_nibbles, unpack_3bit,  # noqa: E402
@@ -166,9 +167,12 @@ def _linears(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
 
 
-@pytest.mark.parametrize("method,bits,group", [("int8", 8, None), ("int4-g32", 4, 32), ("int3-g64", 3, 64)])
+@pytest.mark.parametrize("method,bits,group", [("int8", 8, None), ("int8-rtn", 8, None), ("int4-g32", 4, 32),
+                                               ("int3-g64", 3, 64)])
 def test_method_at_load_matches_dequantized_reference(tiny_llama, method, bits, group):
     fp = load_model(str(tiny_llama))
+    if method == "int8":  # int8 rounds the equalized weights (tests/test_int8_equalize.py); int8-rtn as loaded
+        equalize_decoder(fp.model)
     q = load_model(str(tiny_llama), quantization=method)
     expected_bytes = fp.weight_bytes
     for (name, ql), (_, fl) in zip(_linears(q.model), _linears(fp.model)):
@@ -355,6 +359,8 @@ def test_bad_quantization_config(int4_folder, tmp_path, edit, match):
     (dict(method="int4", awq_clip=True), "--awq-clip applies to --method awq only"),
     (dict(method="gptq", bits=8, act_order=True), "per channel"),
     (dict(method="int4", calib_samples=64), "uses no calibration data"),
+    (dict(method="gptq", equalize=False), "--no-equalize applies to --method int8 only"),
+    (dict(method="gguf", gguf_type="Q8_0", equalize=False), "--method gguf takes --type, not --no-equalize"),
     (dict(method="gguf"), "--method gguf needs --type"),
     (dict(method="gguf", gguf_type="Q4_K_M", bits=4), "--method gguf takes --type, not --bits"),
     (dict(method="gguf", gguf_type="Q4_K_M", awq_clip=False), "--method gguf takes --type, not --awq-no-clip"),

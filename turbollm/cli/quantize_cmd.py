@@ -2,12 +2,13 @@
 
     turbollm quantize MODEL --method {int8,int4,gptq,awq,gguf} --out PATH
         [--bits 4|3|8] [--group-size 32|64|128] [--act-order]
-        [--calib-samples N] [--calib-seq-len L] [--calib-data FILE] [--type T] [--threads N]
+        [--calib-samples N] [--calib-seq-len L] [--calib-data FILE] [--no-equalize] [--type T] [--threads N]
 
-int8 / int4 round to nearest; gptq / awq calibrate on ShareGPT prompts (default 128 windows of
-512 tokens). The folder loads back with ``turbollm generate DIR`` / ``LLM(model=DIR)``, the
-method read from its config.json. ``--method gguf --type Q4_K_M --out FILE.gguf`` writes a
-llama.cpp-style GGUF.
+int8 / int4 round to nearest (int8 after a calibration-free channel equalization unless
+--no-equalize); gptq / awq calibrate on ShareGPT prompts (default 128 windows of 512 tokens).
+The folder loads back with ``turbollm generate DIR`` / ``LLM(model=DIR)``, the method read from
+its config.json.
+``--method gguf --type Q4_K_M --out FILE.gguf`` writes a llama.cpp-style GGUF.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import argparse
 # (`quantize.methods.QUANTIZE_METHODS`, `GGUF_TYPES`).
 METHODS = ("int8", "int4", "gptq", "awq", "gguf")
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
-METHOD_HELP = ("int8: round-to-nearest, per output channel; int4: round-to-nearest, group-wise (4 or 3 bits); "
+METHOD_HELP = ("int8: channel equalization, then round-to-nearest per output channel; "
+               "int4: round-to-nearest, group-wise (4 or 3 bits); "
                "gptq: Hessian-based error feedback from calibration activations; awq: activation-aware scales "
                "folded into the preceding ops, then rounding (clipping with --awq-clip); gguf: llama.cpp block types (--type)")
 
@@ -48,6 +50,9 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
                            "smollm2-135m a little and hurt qwen2.5-coder-0.5b badly; see docs/QUANTIZATION.md)")
     clip.add_argument("--awq-no-clip", dest="awq_clip", action="store_const", const=False,
                       help="awq: keep each group's full range (the default)")
+    p.add_argument("--no-equalize", dest="equalize", action="store_const", const=False, default=None,
+                   help="int8: round the weights as loaded (by default the decoder's input channels are first "
+                        "equalized, calibration-free and function-preserving; see docs/QUANTIZATION.md)")
     p.add_argument("--type", dest="gguf_type", default=None, choices=GGUF_TYPES, help="gguf: the file type")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -65,7 +70,7 @@ def run_quantize_cmd(ns: argparse.Namespace) -> int:
     opts = QuantizeOptions(ns.model, ns.method, ns.out, bits=ns.bits, group_size=ns.group_size,
                            act_order=ns.act_order, calib_samples=ns.calib_samples, calib_seq_len=ns.calib_seq_len,
                            calib_data=ns.calib_data, damp=ns.damp, awq_search_tokens=ns.awq_search_tokens,
-                           awq_clip=ns.awq_clip,
+                           awq_clip=ns.awq_clip, equalize=ns.equalize,
                            gguf_type=ns.gguf_type, progress=not ns.no_progress)
     s = run_quantize(opts)
     per_layer = f", {sum(s.layer_seconds) / len(s.layer_seconds):.1f} s per layer" if s.layer_seconds else ""

@@ -4,8 +4,9 @@
 (Hugging Face name, tensor) pairs, routes stacked projections (q/k/v → qkv_proj, gate/up →
 gate_up_proj) to their shard, and reports missing, unexpected or mis-shaped tensors by name.
 A tensor may be a `QuantizedTensor` (raw GGML blocks): the linear layers and the embeddings
-keep it, any other parameter gets it decoded. Once every tensor is in, each linear layer's
-method finishes its storage (`process_weights_after_loading`), and a dense vocabulary table is
+keep it, any other parameter gets it decoded. Once every tensor is in, the linear method may
+transform the model as a whole (`process_model_after_loading`), each linear layer's method
+finishes its storage (`process_weights_after_loading`), and a dense vocabulary table is
 re-encoded when the method asks for it (`LinearMethod.vocab_table_type`).
 """
 
@@ -162,6 +163,9 @@ class CausalLM(nn.Module):
         if missing:
             raise WeightLoadError(f"{source}: missing tensors: {', '.join(missing[:10])}"
                                   + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+        method = next((m.method for m in self.modules() if isinstance(m, LinearBase)), None)
+        if method is not None:
+            method.process_model_after_loading(self)
         for mname, layer in self.named_modules():
             if isinstance(layer, LinearBase):
                 try:

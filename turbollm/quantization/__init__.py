@@ -5,8 +5,9 @@ Methods are looked up by name in `LINEAR_METHODS`; the model files never see the
 "none" keeps dense float32 weights; "gguf" keeps a GGUF file's own block types
 (`gguf_method.py`, raw blocks carried by `qtensor.QuantizedTensor`).
 "int8" and "int4"/"int3" (with "-g32"/"-g64"/"-g128") quantize at load (`int8_method.py`,
-`int4_method.py`); "gptq" and "awq" name checkpoints quantized offline, detected from their
-config.json (`gptq_method.py`, `awq_method.py`, `checkpoint_layouts.py`).
+`int4_method.py`; "int8" equalizes input channels first, `equalize.py`, "int8-rtn" does not);
+"gptq" and "awq" name checkpoints quantized offline, detected from their config.json
+(`gptq_method.py`, `awq_method.py`, `checkpoint_layouts.py`).
 """
 
 from turbollm.quantization.base import LINEAR_METHODS, LinearMethod, UnquantizedLinearMethod, get_linear_method

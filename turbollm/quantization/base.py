@@ -47,8 +47,9 @@ class LinearMethod:
 
     Life of a layer: `create_weights` at construction; the layer's shard loaders hand each
     checkpoint tensor (or row slice of one) to `load_weight`; after the whole checkpoint is
-    loaded, `CausalLM.load_weights` calls `process_weights_after_loading` once per layer
-    (repack, quantize, concatenate shards; must be safe to call again); then `apply`.
+    loaded, `CausalLM.load_weights` calls `process_model_after_loading` once with the model, then
+    `process_weights_after_loading` once per layer (repack, quantize, concatenate shards; must be
+    safe to call again); then `apply`.
     """
 
     #: True: the GGUF loader hands this method `QuantizedTensor`s (raw GGML blocks) for
@@ -71,6 +72,11 @@ class LinearMethod:
 
         loaded = as_dense(loaded)
         copy_checked(layer.weight.data.narrow(0, row_offset, loaded.shape[0]), loaded, what)
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """Called once with the whole CausalLM after every tensor is loaded and before any layer's
+        `process_weights_after_loading` (cross-layer transforms such as int8's equalization);
+        must be safe to call again. Default: nothing to do."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Called once every tensor of the layer is loaded; default: nothing to do."""

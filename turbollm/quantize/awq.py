@@ -52,7 +52,7 @@ import torch
 
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
-from turbollm.quantize.layer_runner import Branch, CalibrationRunner
+from turbollm.quantize.layer_runner import Branch, CalibrationRunner, fold_scales
 from turbollm.quantize.pipeline import BranchAlgorithm
 
 N_GRID = 20
@@ -267,19 +267,3 @@ class AWQAlgorithm(BranchAlgorithm):
         r2 = search_clip(w2, loss2.scaled(br.expand(s2)), grid, g)
         self.store(br.first, quantize_with_ratio(w1, grid, g, r1))
         self.store(br.second, quantize_with_ratio(w2, grid, g, r2))
-
-
-def fold_scales(br: Branch, s1: torch.Tensor, s2: torch.Tensor) -> None:
-    """Fold AWQ's scales into the branch; the float function is unchanged (up to rounding).
-
-    `s1` scales `first`'s input columns (divided out of the norm weight); `s2` scales the
-    feeder rows' channels as `second` reads them (feeder rows and bias divided by `s2`,
-    `second`'s input columns multiplied by ``expand(s2)``).
-    """
-    br.norm.weight.data.div_(s1)
-    br.first.weight.data.mul_(s1[None, :])
-    br.first.weight.data[br.feeder].div_(s2[:, None])
-    bias = getattr(br.first, "bias", None)
-    if bias is not None:
-        bias.data[br.feeder].div_(s2)
-    br.second.weight.data.mul_(br.expand(s2)[None, :])

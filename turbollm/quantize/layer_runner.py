@@ -70,6 +70,23 @@ class Branch:
         return col_stat.view(-1, self.group, self.head_dim).mean(1).reshape(-1)
 
 
+def fold_scales(br: Branch, s1: torch.Tensor, s2: torch.Tensor) -> None:
+    """Fold column scales (AWQ's, or the int8 method's equalization) into the branch; the float
+    function is unchanged (up to rounding).
+
+    `s1` scales `first`'s input columns (divided out of the norm weight); `s2` scales the
+    feeder rows' channels as `second` reads them (feeder rows and bias divided by `s2`,
+    `second`'s input columns multiplied by ``expand(s2)``).
+    """
+    br.norm.weight.data.div_(s1)
+    br.first.weight.data.mul_(s1[None, :])
+    br.first.weight.data[br.feeder].div_(s2[:, None])
+    bias = getattr(br.first, "bias", None)
+    if bias is not None:
+        bias.data[br.feeder].div_(s2)
+    br.second.weight.data.mul_(br.expand(s2)[None, :])
+
+
 @dataclass(frozen=True)
 class ArchAdapter:
     embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (CausalLM, ids) → layer-0 input

@@ -59,7 +59,8 @@ class MethodSpec:
 
 QUANTIZE_METHODS: dict[str, MethodSpec] = {s.name: s for s in (
     MethodSpec("int8", (8,), 8, False, "gptq", per_channel_bits=(8,),
-               description="round-to-nearest, symmetric per output channel (written as 8-bit GPTQ)"),
+               description="calibration-free channel equalization, then round-to-nearest, symmetric per "
+                           "output channel (written as 8-bit GPTQ)"),
     MethodSpec("int4", (4, 3), 4, False, "gptq",
                description="round-to-nearest, group-wise asymmetric (written as GPTQ without act-order)"),
     MethodSpec("gptq", (4, 3, 8), 4, True, "gptq", act_order=True, per_channel_bits=(8,),
@@ -83,6 +84,7 @@ class QuantizeOptions:
     damp: float = 0.01
     awq_search_tokens: int = 2048
     awq_clip: bool | None = None  # None: not given, i.e. no clipping search (see `clip`)
+    equalize: bool | None = None  # int8: None (not given) = equalize; False = --no-equalize
     gguf_type: str | None = None
     progress: bool = True
     resolved_bits: int = field(default=0, init=False)
@@ -120,6 +122,7 @@ def validate_options(opts: QuantizeOptions) -> MethodSpec | None:
     if opts.method == "gguf":
         given = [f for f, v in (("--bits", opts.bits), ("--group-size", opts.group_size)) if v is not None]
         given += ["--act-order"] * opts.act_order + [opts.clip_flag] * (opts.awq_clip is not None) + calib_given
+        given += ["--no-equalize"] * (opts.equalize is not None)
         if given:
             raise InvalidRequestError(f"--method gguf takes --type, not {', '.join(given)}")
         if opts.gguf_type not in GGUF_TYPES:
@@ -140,6 +143,8 @@ def validate_options(opts: QuantizeOptions) -> MethodSpec | None:
         raise InvalidRequestError(f"--act-order needs groups; --bits {bits} is per channel")
     if opts.awq_clip is not None and spec.name != "awq":
         raise InvalidRequestError(f"{opts.clip_flag} applies to --method awq only (got --method {spec.name})")
+    if opts.equalize is not None and spec.name != "int8":
+        raise InvalidRequestError(f"--no-equalize applies to --method int8 only (got --method {spec.name})")
     if calib_given and not spec.calibrates:
         raise InvalidRequestError(f"--method {spec.name} uses no calibration data; drop {', '.join(calib_given)}")
     if spec.calibrates and (opts.samples < 1 or opts.seq_len < 16):

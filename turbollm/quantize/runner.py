@@ -110,6 +110,12 @@ def run_quantize(opts: QuantizeOptions, log: Callable[[str], None] = print) -> Q
     else:
         from turbollm.quantize.rtn import rtn_decoder
 
+        if spec.name == "int8":
+            extra["equalize"] = opts.equalize is not False
+            if extra["equalize"]:
+                from turbollm.quantization.equalize import equalize_decoder
+
+                log(f"int8: channel equalization before rounding: {equalize_decoder(loaded.model).summary()}")
         with torch.no_grad():
             results = rtn_decoder(loaded.model, grid, group)
     summary.quantize_seconds = time.perf_counter() - t1
