@@ -81,7 +81,7 @@ def _floor(v: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: int = 1,
-                         head_dim: int = 1, betas: tuple[float, ...] = BETAS) -> tuple[torch.Tensor, float]:
+                         head_dim: int = 1) -> tuple[torch.Tensor, float]:
     """Column scales for `w` that minimise `rtn_error`, and the error ratio they reach (≤ 1).
 
     `a`: input RMS per column (default 1). With ``group > 1`` the columns are ``group`` query
@@ -89,9 +89,10 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
     (``cols / group``), expanded over the group for the error (GQA feeder rows).
     """
     w = w.float()
+    absw, buf = w.abs(), torch.empty_like(w)
     cols = w.shape[1]
     a_full = torch.ones(cols) if a is None else _floor(a.float().abs())
-    colmax = _floor(w.abs().amax(0))
+    colmax = _floor(absw.amax(0))
     if group > 1:
         colmax = colmax.view(-1, group, head_dim).amax(1).reshape(-1)
         a_red = a_full.view(-1, group, head_dim).mean(1).reshape(-1)
@@ -101,11 +102,10 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
     def expand(c: torch.Tensor) -> torch.Tensor:
         return c if group == 1 else c.view(-1, 1, head_dim).expand(-1, group, head_dim).reshape(-1)
 
-    absw, buf = w.abs(), torch.empty_like(w)
     one = torch.ones_like(colmax)
     base = rtn_error(w, expand(one), a_full, absw=absw, out=buf)
     best_err, best = base, one
-    for beta in (betas if a is not None else (0.0,)):
+    for beta in (BETAS if a is not None else (0.0,)):  # with a = 1, a^β is 1 for every β
         for alpha in ALPHAS:
             if alpha == 0.0 and beta == 0.0:
                 continue
@@ -120,8 +120,11 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
 class EqualizeReport:
     """What `equalize_decoder` did: folds applied and the estimated error ratio per linear kind."""
 
-    folds: int = 0
-    ratios: dict[str, list[float]] = field(default_factory=dict)
+    ratios: dict[str, list[float]] = field(default_factory=dict)  # "self_attn.first" → per layer
+
+    @property
+    def folds(self) -> int:
+        return sum(len(v) for v in self.ratios.values())
 
     def summary(self) -> str:
         parts = [f"{k} {sum(v) / len(v):.2f}" for k, v in sorted(self.ratios.items())]
@@ -175,5 +178,4 @@ def equalize_decoder(model: nn.Module) -> EqualizeReport:
         report.ratios.setdefault(f"{br.name}.first", []).append(r1)
         report.ratios.setdefault(f"{br.name}.second", []).append(r2)
         fold_scales(br, s1, s2)
-        report.folds += 2
     return report

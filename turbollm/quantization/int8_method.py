@@ -9,9 +9,9 @@ Two ways in:
   weight that the loaders fill (a GGUF file is dequantized to float32 on the way); once the
   whole checkpoint is in, `process_model_after_loading` equalizes the decoder's input channels
   (`equalize.py`: no calibration text, the float function unchanged, so that a few large
-  weights do not set the step of a whole row) and `process_weights_after_loading` rounds each layer to int8
-  and drops the float32 matrix. ``quantization="int8-rtn"`` skips the equalization (plain
-  round-to-nearest). Peak memory while loading is therefore the float32 model.
+  weights do not set the step of a whole row) and `process_weights_after_loading` rounds each
+  layer to int8 and drops the float32 matrix. ``quantization="int8-rtn"`` skips the
+  equalization (plain round-to-nearest). Peak memory while loading is therefore the float32 model.
 - *from a checkpoint* (an 8-bit symmetric per-channel GPTQ folder, e.g. from
   ``turbollm quantize --method int8``): the layer is created in the int8 layout directly and
   the checkpoint converter (`gptq_method.py`) hands it int8 rows and scales.

@@ -36,10 +36,11 @@ relative rounding error of the scaled-up columns. Per linear group:
 Statistics: ``mean|x|`` over every calibration token for the norm-fed linears; the error
 terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from the batches
 `CalibrationRunner.spread` picks (`BranchAlgorithm.stage2_batches`), which keeps the 20-point
-searches affordable on a CPU; the attention branch's output error on every token of those batches
-(whole sequences). At the default 2,048 tokens that is one batch, the first (8 windows of 512), i.e. the
-start of the calibration corpus. Which windows they are moves qwen2.5-coder-0.5b's perplexity by
-several points (docs/QUANTIZATION.md, "Which calibration windows"). Linear errors use ``XᵀX`` when it is smaller than X.
+searches affordable on a CPU; the attention branch's output error on every token of those
+batches (whole sequences). At the default 2,048 tokens that is one batch, the first (8 windows
+of 512), i.e. the start of the calibration corpus. Which windows they are moves
+qwen2.5-coder-0.5b's perplexity by several points (docs/QUANTIZATION.md, "Which calibration
+windows"). Linear errors use ``XᵀX`` when it is smaller than X.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def search_clip(w: torch.Tensor, loss: OutputLoss, grid: QuantGrid, g: int, rows
 
 
 class AWQAlgorithm(BranchAlgorithm):
-    """AWQ in the layer pipeline: scales searched and folded per branch, then (``clip``) clipping, then RTN."""
+    """AWQ in the layer pipeline: scales searched and folded per branch, then (``clip``) clipping,
+    then RTN."""
 
     def __init__(self, grid: QuantGrid, group_size: int, search_tokens: int = SEARCH_TOKENS, seed: int = 0,
                  clip: bool = False):
