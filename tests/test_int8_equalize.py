@@ -25,7 +25,9 @@ from quant_tiny import build_tiny, exact_quantized_matmul, token_windows  # noqa
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
-from turbollm.quantization.equalize import (equalize_decoder, rtn_error, search_column_scales,  # noqa: E402
+from turbollm.kernels import get_kernels  # noqa: E402
+from turbollm.quantization.equalize import (equalize_decoder, rtn_error, rtn_errors,  # noqa: E402
+                                            scaled_row_max_reference, search_column_scales,
                                             synthetic_input_rms)
 from turbollm.quantize.layer_runner import get_adapter  # noqa: E402
 from turbollm.quantization.group_quant import int8_per_channel  # noqa: E402
@@ -59,6 +61,22 @@ def test_search_lowers_the_actual_rounding_error_of_large_columns():
     assert rtn_error(w, c, one) == pytest.approx(ratio * rtn_error(w, one, one), rel=1e-5)
     assert float(c[[5, 77, 200]].max()) < float(c.median())
     assert _rtn_mse(w, c) < 0.5 * _rtn_mse(w, one)
+
+
+@pytest.mark.parametrize("rows,cols", [(37, 24), (8, 896), (5, 3)])
+def test_batched_search_errors_equal_the_plain_form(rows, cols):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(rows, cols, generator=g)
+    cands = torch.rand(6, cols, generator=g) + 0.1
+    a = torch.rand(cols, generator=g) + 0.5
+    reference = scaled_row_max_reference(w.abs(), cands)
+    kernels = get_kernels()
+    if kernels is not None:  # the kernel's maxima are the reference's, bit for bit
+        assert torch.equal(kernels.scaled_row_max(w.abs().contiguous(), cands), reference)
+    errs = rtn_errors(w.abs(), cands, a)
+    for k in range(6):
+        assert float(errs[k]) == pytest.approx(rtn_error(w, cands[k], a), rel=1e-5)
+        assert torch.equal(reference[k], (w.abs() * cands[k]).amax(1))
 
 
 def test_search_keeps_identity_when_nothing_helps_and_shares_scales_across_a_gqa_group():

@@ -55,16 +55,35 @@ SYNTH_TOKENS = 256
 SYNTH_SEED = 0
 
 
-def rtn_error(w: torch.Tensor, c: torch.Tensor, a: torch.Tensor, *, absw: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> float:
+def rtn_error(w: torch.Tensor, c: torch.Tensor, a: torch.Tensor) -> float:
     """Estimated output error of rounding ``w · diag(c)`` per row (module docstring's E(c)).
 
     `w` [rows, cols]; `c` column scales; `a` typical input size per column (original units).
-    `absw` (``w.abs()``) and `out` (a buffer of w's shape) save the search two allocations.
+    The plain form of one candidate; the search scores all its candidates with `rtn_errors`.
     """
-    absw = w.abs() if absw is None else absw
-    rowmax = torch.mul(absw, c, out=out).amax(1)
+    rowmax = (w.abs() * c).amax(1)
     return float(rowmax.square().sum() * (a / c).square().sum())
+
+
+def rtn_errors(absw: torch.Tensor, cands: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """`rtn_error` of every candidate ``cands[k]`` (column scales, ``[K, cols]``) at once, float64 ``[K]``.
+
+    `absw` is ``w.abs()``. The row maxima come from the C++ kernel ``scaled_row_max`` (one pass
+    over the matrix for all candidates) when it is built, else from `scaled_row_max_reference`;
+    both give the same values.
+    """
+    from turbollm.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    absw, cands = absw.float().contiguous(), cands.float().contiguous()
+    rowmax = kernels.scaled_row_max(absw, cands) if kernels is not None else scaled_row_max_reference(absw, cands)
+    return rowmax.double().square().sum(1) * (a[None, :].double() / cands.double()).square().sum(1)
+
+
+def scaled_row_max_reference(absw: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
+    """``out[k, i] = max_j absw[i, j] · cands[k, j]``, one product matrix per candidate."""
+    buf = torch.empty_like(absw)
+    return torch.stack([torch.mul(absw, c, out=buf).amax(1) for c in cands])
 
 
 def _column_scales(colmax: torch.Tensor, a: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
@@ -89,7 +108,7 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
     (``cols / group``), expanded over the group for the error (GQA feeder rows).
     """
     w = w.float()
-    absw, buf = w.abs(), torch.empty_like(w)
+    absw = w.abs()
     cols = w.shape[1]
     a_full = torch.ones(cols) if a is None else _floor(a.float().abs())
     colmax = _floor(absw.amax(0))
@@ -103,16 +122,12 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
         return c if group == 1 else c.view(-1, 1, head_dim).expand(-1, group, head_dim).reshape(-1)
 
     one = torch.ones_like(colmax)
-    base = rtn_error(w, expand(one), a_full, absw=absw, out=buf)
-    best_err, best = base, one
-    for beta in (BETAS if a is not None else (0.0,)):  # with a = 1, a^β is 1 for every β
-        for alpha in ALPHAS:
-            if alpha == 0.0 and beta == 0.0:
-                continue
-            c = _column_scales(colmax, a_red, alpha, beta)
-            err = rtn_error(w, expand(c), a_full, absw=absw, out=buf)
-            if err < best_err:
-                best_err, best = err, c
+    cands = [one] + [_column_scales(colmax, a_red, alpha, beta)
+                     for beta in (BETAS if a is not None else (0.0,))  # with a = 1, a^β is 1 for every β
+                     for alpha in ALPHAS if (alpha, beta) != (0.0, 0.0)]
+    errs = rtn_errors(absw, torch.stack([expand(c) for c in cands]), a_full)
+    pick = int(errs.argmin())  # the first of equal errors: the identity wins a tie
+    base, best_err, best = float(errs[0]), float(errs[pick]), cands[pick]
     return best, (best_err / base if base > 0 else 1.0)
 
 

@@ -21,5 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether a type has kernels");
   m.def("supported16", &supported16, "whether a type has 16-bit activation (q16) kernels");
 
+  m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)");
+
   bind_decode_step(m);
 }

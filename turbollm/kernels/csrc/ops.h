@@ -3,7 +3,8 @@
 //
 // fused_ops.cpp: rms_norm, rope_, gated_act; paged_attention.cpp: paged_decode_attention,
 // paged_write_kv; quant_ops.cpp: the quantized matmuls (weight formats in quant_ops.cpp's header
-// comment; their PyTorch references in turbollm/kernels/quant.py).
+// comment; their PyTorch references in turbollm/kernels/quant.py); scaled_row_max.cpp: the int8
+// equalization search's row maxima.
 #pragma once
 #include <torch/extension.h>
 
@@ -31,3 +32,5 @@ torch::Tensor embedding(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor
 int64_t act_block(int64_t qtype);
 bool supported(int64_t qtype);
 bool supported16(int64_t qtype);
+
+torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
