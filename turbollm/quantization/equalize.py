@@ -107,25 +107,20 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
     heads of ``head_dim`` per KV head and the returned scales are per *KV-head channel*
     (``cols / group``), expanded over the group for the error (GQA feeder rows).
     """
+    from turbollm.quantize.layer_runner import expand_group, reduce_group
+
     w = w.float()
     absw = w.abs()
     cols = w.shape[1]
     a_full = torch.ones(cols) if a is None else _floor(a.float().abs())
-    colmax = _floor(absw.amax(0))
-    if group > 1:
-        colmax = colmax.view(-1, group, head_dim).amax(1).reshape(-1)
-        a_red = a_full.view(-1, group, head_dim).mean(1).reshape(-1)
-    else:
-        a_red = a_full
-
-    def expand(c: torch.Tensor) -> torch.Tensor:
-        return c if group == 1 else c.view(-1, 1, head_dim).expand(-1, group, head_dim).reshape(-1)
+    colmax = reduce_group(_floor(absw.amax(0)), group, head_dim, "amax")
+    a_red = reduce_group(a_full, group, head_dim)
 
     one = torch.ones_like(colmax)
     cands = [one] + [_column_scales(colmax, a_red, alpha, beta)
                      for beta in (BETAS if a is not None else (0.0,))  # with a = 1, a^β is 1 for every β
                      for alpha in ALPHAS if (alpha, beta) != (0.0, 0.0)]
-    errs = rtn_errors(absw, torch.stack([expand(c) for c in cands]), a_full)
+    errs = rtn_errors(absw, torch.stack([expand_group(c, group, head_dim) for c in cands]), a_full)
     pick = int(errs.argmin())  # the first of equal errors: the identity wins a tie
     base, best_err, best = float(errs[0]), float(errs[pick]), cands[pick]
     return best, (best_err / base if base > 0 else 1.0)

@@ -59,15 +59,27 @@ class Branch:
 
     def expand(self, s: torch.Tensor) -> torch.Tensor:
         """Scales of the feeder rows → scales of `second`'s input columns (GQA: repeat per group)."""
-        if self.group == 1:
-            return s
-        return s.view(-1, 1, self.head_dim).expand(-1, self.group, self.head_dim).reshape(-1)
+        return expand_group(s, self.group, self.head_dim)
 
     def reduce(self, col_stat: torch.Tensor) -> torch.Tensor:
         """A per-input-column statistic of `second` → per feeder row (GQA: mean over the group)."""
-        if self.group == 1:
-            return col_stat
-        return col_stat.view(-1, self.group, self.head_dim).mean(1).reshape(-1)
+        return reduce_group(col_stat, self.group, self.head_dim)
+
+
+def expand_group(s: torch.Tensor, group: int, head_dim: int) -> torch.Tensor:
+    """Per KV-head channel → per column of `group` query heads of `head_dim` (each value repeated
+    over the group); identity when ``group == 1``."""
+    if group == 1:
+        return s
+    return s.view(-1, 1, head_dim).expand(-1, group, head_dim).reshape(-1)
+
+
+def reduce_group(col_stat: torch.Tensor, group: int, head_dim: int, how: str = "mean") -> torch.Tensor:
+    """The inverse direction of `expand_group`: a per-column statistic → per KV-head channel, by
+    the group's ``how`` ("mean" or "amax"); identity when ``group == 1``."""
+    if group == 1:
+        return col_stat
+    return getattr(col_stat.view(-1, group, head_dim), how)(1).reshape(-1)
 
 
 def fold_scales(br: Branch, s1: torch.Tensor, s2: torch.Tensor) -> None:
