@@ -11,7 +11,10 @@ exported GGUF file, a GPTQ/AWQ folder) loaded as it is.
 Quality: `turbollm eval ppl` statistics (library: turbollm.eval.perplexity) against the fp32
 reference, every candidate in one pass over the windows (the reference runs once per window).
 Speed: `turbollm bench latency` at batch 1, 512 prompt tokens, 128 decode tokens (decode tok/s
-and prefill tok/s), one row at a time after the quality pass.
+and prefill tok/s), one row at a time after the quality pass; with ``--rounds N`` every row N
+times, round-robin over the rows (so a slow spell of the machine falls on all of them), and the
+table takes each row's median, with the rounds' min–max printed below it. ``--no-quality``: speed
+(and resident memory) only.
 Columns: bits/weight = 8 x the weights' bytes by their formats' definitions
 (`quantization.footprint.format_bytes`: int4 = b-bit codes + fp16 scale + b-bit zero per group,
 GGML types their block size; embeddings and norms included) / the reference's parameter count;
@@ -25,6 +28,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -50,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="decode tokens of the latency run")
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--no-latency", action="store_true", help="quality and memory only")
+    p.add_argument("--no-quality", action="store_true", help="speed and memory only (no perplexity pass)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="latency runs per row, round-robin over the rows; the table shows the median")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--compare", default=None, metavar="LABEL",
                    help="also print every row paired against row LABEL on the same tokens: ln(PPL ratio) and "
@@ -63,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ns.rows.append((label, path, None))
     if not ns.rows:
         p.error("no rows: give --formats and/or --row")
+    if ns.no_quality and ns.no_latency:
+        p.error("--no-quality with --no-latency leaves nothing to measure")
+    if ns.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if ns.no_quality and ns.compare is not None:
+        p.error("--compare needs the quality pass (drop --no-quality)")
     labels = [r[0] for r in ns.rows]
     if len(set(labels)) != len(labels):
         p.error(f"row labels must be unique: {labels}")
@@ -120,6 +133,27 @@ def quality(ns: argparse.Namespace) -> tuple[list[dict], float]:
     return out, ref_params
 
 
+def memory_only(ns: argparse.Namespace) -> tuple[list[dict], int]:
+    """Rows with the memory columns only (each checkpoint loaded once, in turn)."""
+    from turbollm.loader import load_model
+    from turbollm.quantization.footprint import format_bytes
+
+    ref = load_model(ns.model, quantization="none")
+    ref_params = sum(p.numel() for p in {p.data_ptr(): p for p in ref.model.parameters()}.values())
+    out = []
+    for label, path, q in ns.rows:
+        m = ref if (q == "none" and path == ns.model) else load_model(path, quantization=q)
+        wb, fb = m.weight_bytes, format_bytes(m.model)
+        out.append({"format": label, "checkpoint": path, "quantization": q, "weight_bytes": wb, "format_bytes": fb,
+                    "resident_over_format": wb / fb, "bits_per_weight": 8 * fb / ref_params})
+        if m is not ref:
+            del m
+            gc.collect()
+    del ref
+    gc.collect()
+    return out, ref_params
+
+
 def latency(ns: argparse.Namespace, label: str, path: str, q: str | None) -> dict:
     """`turbollm bench latency` on one row (batch 1): its results block."""
     from turbollm.cli.bench_perf_cmd import bench_latency
@@ -138,10 +172,10 @@ def latency(ns: argparse.Namespace, label: str, path: str, q: str | None) -> dic
 def markdown_row(r: dict) -> str:
     lat = r.get("latency") or {}
     speed = (f"{lat['decode_tok_per_s']:.1f} | {lat['prefill_tok_per_s']:.1f}" if lat else "– | –")
+    quality = (f"{r['ppl']:.4f} | {r['delta_ppl']:+.4f} ({r['delta_ppl_pct']:+.2f}%) | {r['kld_mean']:.5f} "
+               f"| {r['top1_agreement']:.2f}%" if "ppl" in r else "– | – | – | –")
     return (f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_bytes'] / 1e6:.1f} "
-            f"| {r['resident_over_format']:.3f} | {r['ppl']:.4f} "
-            f"| {r['delta_ppl']:+.4f} ({r['delta_ppl_pct']:+.2f}%) | {r['kld_mean']:.5f} "
-            f"| {r['top1_agreement']:.2f}% | {speed} |")
+            f"| {r['resident_over_format']:.3f} | {quality} | {speed} |")
 
 
 def print_paired(rows: list[dict], label: str) -> None:
@@ -167,16 +201,32 @@ def main(argv: list[str] | None = None) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     t0 = time.perf_counter()
-    rows, ref_params = quality(ns)
+    rows, ref_params = memory_only(ns) if ns.no_quality else quality(ns)
     if not ns.no_latency:
-        for r, (label, path, q) in zip(rows, ns.rows):
-            r["latency"] = latency(ns, label, path, q)
-    print(f"\n{ns.model}: {rows[0]['tokens']} WikiText-2 tokens, ctx {ns.ctx}, scoring {ns.score!r}, "
+        runs: list[list[dict]] = [[] for _ in rows]
+        for i in range(ns.rounds):
+            for runs_of_row, (label, path, q) in zip(runs, ns.rows):
+                runs_of_row.append(latency(ns, f"{label} (round {i + 1}/{ns.rounds})", path, q))
+        for r, runs_of_row in zip(rows, runs):
+            r["latency_runs"] = runs_of_row
+            r["latency"] = {key: statistics.median(run[key] for run in runs_of_row)
+                            for key in ("decode_tok_per_s", "prefill_tok_per_s")}
+    tokens = "no quality pass" if ns.no_quality else f"{rows[0]['tokens']} WikiText-2 tokens"
+    print(f"\n{ns.model}: {tokens}, ctx {ns.ctx}, scoring {ns.score!r}, "
           f"threads {torch.get_num_threads()}, reference = fp32 dequantized GGUF weights "
           f"({ref_params / 1e6:.1f} M parameters)\n")
     print(HEADER)
     for r in rows:
         print(markdown_row(r))
+    if not ns.no_latency and ns.rounds > 1:
+        print(f"\nspeed over {ns.rounds} rounds (median, min–max):\n")
+        print("| format | decode tok/s | prefill tok/s |\n|---|---:|---:|")
+        for r in rows:
+            cells = []
+            for key in ("decode_tok_per_s", "prefill_tok_per_s"):
+                v = [run[key] for run in r["latency_runs"]]
+                cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}–{max(v):.1f})")
+            print(f"| {r['format']} | {cells[0]} | {cells[1]} |")
     if ns.compare is not None:
         print_paired(rows, ns.compare)
     if ns.json:

@@ -297,3 +297,30 @@ def test_quant_table_script_on_tiny(tiny_folder, tmp_path, capsys):
         qt.parse_args(["m", "--row", "no-equals-sign"])
     with pytest.raises(SystemExit):
         qt.parse_args(["m", "--formats", "none,int8", "--compare", "fp32 reference"])
+
+
+def test_quant_table_speed_only_rounds(tiny_folder, tmp_path, capsys):
+    """--no-quality: memory and speed columns only; --rounds 2: two latency runs per row (round-robin),
+    the table's speed the median of them."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "scripts" / "quant_table.py"
+    spec = importlib.util.spec_from_file_location("quant_table", script)
+    qt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qt)
+    out = tmp_path / "table.json"
+    assert qt.main([str(tiny_folder), "--formats", "none,int8", "--no-quality", "--rounds", "2", "--threads", "1",
+                    "--input-len", "16", "--output-len", "4", "--num-iters", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no quality pass" in printed and "speed over 2 rounds (median, min–max)" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["format"] for r in rows] == ["fp32 reference", "int8"] and "ppl" not in rows[1]
+    assert rows[1]["bits_per_weight"] < 10 and rows[0]["resident_over_format"] == 1.0
+    for r in rows:
+        runs = [run["decode_tok_per_s"] for run in r["latency_runs"]]
+        assert len(runs) == 2 and r["latency"]["decode_tok_per_s"] == pytest.approx(sum(runs) / 2)
+    assert "| int8 | " in printed and "| – | – | – | – |" in printed
+    for bad in (["--no-quality", "--no-latency"], ["--rounds", "0"], ["--no-quality", "--formats", "none,int8",
+                                                                        "--compare", "int8"]):
+        with pytest.raises(SystemExit):
+            qt.parse_args(["m", *bad])

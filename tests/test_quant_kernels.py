@@ -91,14 +91,15 @@ def test_int8_per_channel():
         x = torch.randn(m, k, generator=gen)
         check_q8(Q.int8_linear(x, w, scale, path="q8"), x, wd, Q.INT8_PER_CHANNEL)
         check_q8(Q.int8_linear(x, w, scale, path="q8x2"), x, wd, Q.INT8_PER_CHANNEL, levels=2)
+        check_q8(Q.int8_linear(x, w, scale, path="q16"), x, wd, Q.INT8_PER_CHANNEL, levels=16)
         torch.testing.assert_close(Q.int8_linear(x, w, scale, path="dequant"), x @ wd.T, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [32, 64, 96, 128])
 def test_int4_groupwise(group):
     gen = torch.Generator().manual_seed(group)
-    n, k = 37, 256
+    n, k = 37, 384  # 12 blocks: the kernels' 8-block step and the remainder; 96: groups across the steps
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     scales = (torch.rand(n, k // group, generator=gen) * 0.01).half()
     zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
@@ -108,6 +109,7 @@ def test_int4_groupwise(group):
         x = torch.randn(m, k, generator=gen)
         check_q8(Q.int4_linear(x, packed, scales, zeros, group, path="q8"), x, wd, Q.INT4_GROUPWISE)
         check_q8(Q.int4_linear(x, packed, scales, zeros, group, path="q8x2"), x, wd, Q.INT4_GROUPWISE, levels=2)
+        check_q8(Q.int4_linear(x, packed, scales, zeros, group, path="q16"), x, wd, Q.INT4_GROUPWISE, levels=16)
         torch.testing.assert_close(Q.int4_linear(x, packed, scales, zeros, group, path="dequant"), x @ wd.T,
                                    rtol=1e-5, atol=1e-5)
 
@@ -138,6 +140,7 @@ def test_int3_groupwise(group):
             x = torch.randn(m, k, generator=gen)
             check_q8(Q.int3_linear(x, packed, scales, zeros, group, path="q8"), x, wd, Q.INT3_GROUPWISE)
             check_q8(Q.int3_linear(x, packed, scales, zeros, group, path="q8x2"), x, wd, Q.INT3_GROUPWISE, levels=2)
+            check_q8(Q.int3_linear(x, packed, scales, zeros, group, path="q16"), x, wd, Q.INT3_GROUPWISE, levels=16)
             torch.testing.assert_close(Q.int3_linear(x, packed, scales, zeros, group, path="dequant"), x @ wd.T,
                                        rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(Q.int3_linear(x, packed, scales, zeros, group), x @ wd.T,

@@ -77,6 +77,10 @@ struct TypeKernels {
   int act_block = 32;     // activation block size the dot kernels read (32 or 256)
   DotFn dot[kMaxT] = {};  // dot[T - 1] handles T tokens; null when only dequant exists
   DotFn dot16[kMaxT] = {};  // the same with 16-bit activations (QAct::q16); null when the type has none
+  // The dot kernels read each 32-block of the activations as its 16 even columns, then its 16 odd
+  // ones (linear_q8 reorders the quantized activations so): types whose packing interleaves the
+  // two (int4: the even column in the low nibble) then need no unpacking shuffles.
+  bool act_even_odd = false;
   DeqFn deq = nullptr;
 };
 

@@ -1,5 +1,6 @@
 // The non-GGML weight formats of kernels/quant.py: int8 per output channel, int4 and int3
-// group-wise. Row dot products with Q8 activations and bit-exact row dequantization.
+// group-wise. Row dot products with int8 (q8, q8x2) or 16-bit (q16) activations and bit-exact row
+// dequantization.
 //
 // int8: W[n] = w[n] * scale[n]  ->  w . x = scale[n] * sum_b dx_b (|w_b| . (qx_b * sign(w_b))).
 // int4 / int3: W[n, k] = (q - z_g) * s_g for group g = k / group (a multiple of 32), q unsigned,
@@ -11,6 +12,9 @@
 //       int3: 12 bytes per block (packing.pack_3bit): bytes 0..7 hold the low 2 bits of codes
 //       j, j+8, j+16, j+24 at shifts 0, 2, 4, 6 (byte j), bytes 8..11 a little-endian uint32
 //       whose bit i is bit 2 of code i.
+//       int4's dot kernels take the activations of each block as its even columns, then its odd
+//       ones (act_even_odd), so a block's low nibbles meet the first 16 and its high nibbles the
+//       last 16 without the byte interleave the column order would need.
 #include "quant_common.h"
 
 #include <cmath>
@@ -33,9 +37,12 @@ void deq_int8(const WView& w, int64_t n, float* out) {
 }
 
 // Block packings of the group-wise types: kBytes per 32 codes; code(blk, i) is code i of the
-// block at blk (portable path), decode(blk) the 32 codes as bytes in column order (AVX2).
+// block at blk (portable path), decode(blk) the 32 codes as bytes in column order (AVX2
+// dequantization). The dot kernels read the codes in the order of the activations
+// (kEvenOdd: TypeKernels::act_even_odd): codes8 as 32 bytes, codes16 as two int16 vectors of 16.
 struct Nibbles {  // int4
   static constexpr int kBytes = 16;
+  static constexpr bool kEvenOdd = true;  // byte i holds columns 2i (low nibble) and 2i + 1
   static inline int code(const uint8_t* blk, int i) { return (i & 1) ? (blk[i / 2] >> 4) : (blk[i / 2] & 0x0F); }
 #ifdef __AVX2__
   static inline __m256i decode(const uint8_t* blk) {
@@ -44,11 +51,22 @@ struct Nibbles {  // int4
     const __m128i lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
     return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
   }
+  static inline __m256i codes8(const uint8_t* blk) {  // even columns, then odd
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
+  }
+  static inline void codes16(const uint8_t* blk, __m256i& w0, __m256i& w1) {  // even columns, odd columns
+    const __m256i p = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    w0 = _mm256_and_si256(p, _mm256_set1_epi16(0x0F));
+    w1 = _mm256_srli_epi16(p, 4);
+  }
 #endif
 };
 
 struct ThreeBit {  // int3
   static constexpr int kBytes = 12;
+  static constexpr bool kEvenOdd = false;
   static inline int code(const uint8_t* blk, int i) {
     return ((blk[i & 7] >> (2 * (i >> 3))) & 3) | (((blk[8 + (i >> 3)] >> (i & 7)) & 1) << 2);
   }
@@ -60,6 +78,12 @@ struct ThreeBit {  // int3
     const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(low), _mm256_setr_epi64x(0, 2, 4, 6)),
                                         _mm256_set1_epi8(0x03));
     return _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(blk + 8), _mm256_set1_epi8(0x04)));
+  }
+  static inline __m256i codes8(const uint8_t* blk) { return decode(blk); }
+  static inline void codes16(const uint8_t* blk, __m256i& w0, __m256i& w1) {
+    const __m256i q = decode(blk);
+    w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+    w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
   }
 #endif
 };
@@ -87,63 +111,111 @@ void deq_group(const WView& w, int64_t n, float* out) {
 }
 
 #ifdef __AVX2__
-template <int T>
+// X16: 16-bit activations (a.q16): the 32 codes as int16 (w0: the activations' first 16, w1:
+// the last 16) multiplied with madd_epi16 (|w| <= 128, |x| <= 32767: each int32 lane sums 4
+// products, below 2^24: exact in float). Otherwise int8 activations: u8 x s8 products (signed
+// weights by the sign trick |w| . (x * sign(w))).
+static inline __m256i dot_x16(__m256i w0, __m256i w1, const int16_t* x) {
+  const __m256i* v = reinterpret_cast<const __m256i*>(x);
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(v)), _mm256_madd_epi16(w1, _mm256_loadu_si256(v + 1)));
+}
+
+template <bool Signed>
+static inline __m256i dot_x8(__m256i q, const int8_t* x) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return Signed ? dot_u8s8(_mm256_abs_epi8(q), _mm256_sign_epi8(v, q)) : dot_u8s8(q, v);
+}
+
+template <int T, bool X16>
 void dot_int8(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
   const int8_t* xq[T];
+  const int16_t* xq16[T];
   const float* xd[T];
   Acc<T> acc;
   for (int t = 0; t < T; ++t) {
-    xq[t] = a.qrow(m0 + t); xd[t] = a.drow(m0 + t);
+    if constexpr (X16) xq16[t] = a.q16row(m0 + t); else xq[t] = a.qrow(m0 + t);
+    xd[t] = a.drow(m0 + t);
   }
   for (int64_t b = 0; b < w.K / 32; ++b) {
     if ((b & 1) == 0) prefetch_ahead(row + 32 * b, 1);
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
-    const __m256i aw = _mm256_abs_epi8(wq);
+    __m256i w0, w1;
+    if constexpr (X16) {
+      w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
+      w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wq, 1));
+    }
     for (int t = 0; t < T; ++t) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + 32 * b));
-      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aw, _mm256_sign_epi8(x, wq)));
-      acc.at(t, (int)(b % Acc<T>::A)) = _mm256_fmadd_ps(p, _mm256_set1_ps(xd[t][b]), acc.at(t, (int)(b % Acc<T>::A)));
+      const __m256i s = X16 ? dot_x16(w0, w1, xq16[t] + 32 * b) : dot_x8<true>(wq, xq[t] + 32 * b);
+      const __m256 p = _mm256_cvtepi32_ps(s);
+      acc.at(t, (int)(b % Acc<T>::A)) = _mm256_fmadd_ps(p, _mm256_broadcast_ss(xd[t] + b), acc.at(t, (int)(b % Acc<T>::A)));
     }
   }
   for (int t = 0; t < T; ++t) out[t * ostride] = w.scale[n] * acc.sum(t);
 }
 
-template <class C, int T>
+// Blocks are taken 8 at a time: their group scales d and offsets c = -d z spread to one float per
+// block, d * dx and c * s32 as 8-wide vectors (the offset term accumulated in a vector); then
+// one block at a time for the remainder (K / 32 not a multiple of 8).
+template <class C, int T, bool X16>
 void dot_group(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
-  const int64_t groups = w.K / w.group, per = w.group / 32;
+  const int64_t nb = w.K / 32, groups = w.K / w.group, per = w.group / 32;
   const uint8_t* s16 = w.scale16 + 2 * n * groups;
   const uint8_t* z8 = w.zero8 + n * groups;
   const int8_t* xq[T];
+  const int16_t* xq16[T];
   const float *xd[T], *xs[T];
   Acc<T> acc;
-  float corr[T][Acc<T>::A] = {};
+  __m256 corr[T];
+  float corr1[T] = {};
+  alignas(32) float ddx[T][8];
+  alignas(32) float dv[8], cv[8];
   for (int t = 0; t < T; ++t) {
-    xq[t] = a.qrow(m0 + t); xd[t] = a.drow(m0 + t); xs[t] = a.s32row(m0 + t);
+    if constexpr (X16) xq16[t] = a.q16row(m0 + t); else xq[t] = a.qrow(m0 + t);
+    xd[t] = a.drow(m0 + t); xs[t] = a.s32row(m0 + t);
+    corr[t] = _mm256_setzero_ps();
   }
-  float d = 0.f, c = 0.f;
-  for (int64_t b = 0; b < w.K / 32; ++b) {
-    if ((b & 3) == 0) prefetch_ahead(row + C::kBytes * b, 1);  // 4 blocks: at most 64 bytes
-    if (b % per == 0) {
-      const int64_t g = b / per;
-      d = fp16_to_fp32(s16 + 2 * g);
-      c = -(d * (float)z8[g]);
-    }
-    const __m256i q = C::decode(row + C::kBytes * b);
-    const int j = (int)(b % Acc<T>::A);
+  auto block = [&](int64_t b, int j) {
+    const uint8_t* blk = row + C::kBytes * b;
+    __m256i q, w0, w1;
+    if constexpr (X16) C::codes16(blk, w0, w1); else q = C::codes8(blk);
     for (int t = 0; t < T; ++t) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + 32 * b));
-      const __m256 pr = _mm256_cvtepi32_ps(dot_u8s8(q, x));
-      acc.at(t, j) = _mm256_fmadd_ps(pr, _mm256_set1_ps(d * xd[t][b]), acc.at(t, j));
-      corr[t][j] = std::fma(c, xs[t][b], corr[t][j]);
+      const __m256i s = X16 ? dot_x16(w0, w1, xq16[t] + 32 * b) : dot_x8<false>(q, xq[t] + 32 * b);
+      const __m256 p = _mm256_cvtepi32_ps(s);
+      __m256& av = acc.at(t, j);
+      av = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&ddx[t][j]), av);
     }
+  };
+  // block b's group g and its place r in it, advanced block by block (no divisions)
+  int64_t g = 0, r = 0;
+  float d = fp16_to_fp32(s16), c = -(d * (float)z8[0]);
+  auto next = [&]() {
+    if (++r == per && ++g < groups) {
+      r = 0;
+      d = fp16_to_fp32(s16 + 2 * g), c = -(d * (float)z8[g]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    prefetch_ahead(row + C::kBytes * b, (8 * C::kBytes + 63) / 64);
+    for (int i = 0; i < 8; ++i, next()) { dv[i] = d; cv[i] = c; }
+    const __m256 d8 = _mm256_load_ps(dv), c8 = _mm256_load_ps(cv);
+    for (int t = 0; t < T; ++t) {
+      _mm256_store_ps(ddx[t], _mm256_mul_ps(d8, _mm256_loadu_ps(xd[t] + b)));
+      corr[t] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xs[t] + b), corr[t]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) block(b + j, j);
   }
-  for (int t = 0; t < T; ++t) {
-    float c = 0.f;
-    for (int j = 0; j < Acc<T>::A; ++j) c += corr[t][j];
-    out[t * ostride] = acc.sum(t) + c;
+  for (; b < nb; ++b, next()) {  // remainder: scalar scales
+    for (int t = 0; t < T; ++t) {
+      ddx[t][0] = d * xd[t][b];
+      corr1[t] = std::fma(c, xs[t][b], corr1[t]);
+    }
+    block(b, 0);
   }
+  for (int t = 0; t < T; ++t) out[t * ostride] = acc.sum(t) + (hsum(corr[t]) + corr1[t]);
 }
 #endif
 
@@ -151,7 +223,11 @@ template <class C>
 void register_group(TypeKernels& k) {
   k.block = 32; k.bytes = C::kBytes; k.deq = deq_group<C>;
 #ifdef __AVX2__
-  k.dot[0] = dot_group<C, 1>; k.dot[1] = dot_group<C, 2>; k.dot[2] = dot_group<C, 3>; k.dot[3] = dot_group<C, 4>;
+  k.act_even_odd = C::kEvenOdd;
+  k.dot[0] = dot_group<C, 1, false>; k.dot[1] = dot_group<C, 2, false>;
+  k.dot[2] = dot_group<C, 3, false>; k.dot[3] = dot_group<C, 4, false>;
+  k.dot16[0] = dot_group<C, 1, true>; k.dot16[1] = dot_group<C, 2, true>;
+  k.dot16[2] = dot_group<C, 3, true>; k.dot16[3] = dot_group<C, 4, true>;
 #else
   k.dot[0] = dot_via_deq<deq_group<C>, 1>; k.dot[1] = dot_via_deq<deq_group<C>, 2>;
   k.dot[2] = dot_via_deq<deq_group<C>, 3>; k.dot[3] = dot_via_deq<deq_group<C>, 4>;
@@ -164,7 +240,10 @@ void register_intq(TypeKernels* table) {
   TypeKernels& i8 = table[table_index(kInt8)];
   i8.block = 32; i8.bytes = 32; i8.deq = deq_int8;
 #ifdef __AVX2__
-  i8.dot[0] = dot_int8<1>; i8.dot[1] = dot_int8<2>; i8.dot[2] = dot_int8<3>; i8.dot[3] = dot_int8<4>;
+  i8.dot[0] = dot_int8<1, false>; i8.dot[1] = dot_int8<2, false>; i8.dot[2] = dot_int8<3, false>;
+  i8.dot[3] = dot_int8<4, false>;
+  i8.dot16[0] = dot_int8<1, true>; i8.dot16[1] = dot_int8<2, true>; i8.dot16[2] = dot_int8<3, true>;
+  i8.dot16[3] = dot_int8<4, true>;
 #else
   i8.dot[0] = dot_via_deq<deq_int8, 1>; i8.dot[1] = dot_via_deq<deq_int8, 2>;
   i8.dot[2] = dot_via_deq<deq_int8, 3>; i8.dot[3] = dot_via_deq<deq_int8, 4>;

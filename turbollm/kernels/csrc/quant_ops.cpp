@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/ThreadLocalState.h>
 
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -72,6 +73,16 @@ torch::Tensor make_out(const c10::optional<torch::Tensor>& out, int64_t M, int64
   return *out;
 }
 
+// Each block of 32 values as its 16 even-indexed values, then its 16 odd ones (TypeKernels::act_even_odd).
+template <class V>
+void even_odd_order(V* v, int64_t count) {
+  V tmp[32];
+  for (int64_t b = 0; b < count; b += 32) {
+    for (int i = 0; i < 16; ++i) { tmp[i] = v[b + 2 * i]; tmp[16 + i] = v[b + 2 * i + 1]; }
+    std::memcpy(v + b, tmp, sizeof(tmp));
+  }
+}
+
 // The quantized activations, in buffers owned by the calling thread and reused between calls.
 // With levels = 2 each row of x becomes two rows (x and its residual, quant_common.h); with
 // levels = 16 they are 16-bit (q16 instead of q, block 32).
@@ -80,7 +91,7 @@ struct ActScratch {
   std::vector<int16_t> q16;
   std::vector<float> d, s32, s16, y2;
   std::vector<int16_t> bs16;
-  tq::QAct quantize(const float* x, int64_t M, int64_t K, int64_t block, int64_t levels) {
+  tq::QAct quantize(const float* x, int64_t M, int64_t K, int64_t block, int64_t levels, bool even_odd) {
     auto grow = [](auto& v, int64_t n) { if ((int64_t)v.size() < n) v.resize(n); };
     const bool x16 = levels == 16;
     const int64_t R = x16 ? M : M * levels;
@@ -105,6 +116,10 @@ struct ActScratch {
     }
     if (x16) tq::quantize_activations16(x, M, K, buf);
     else tq::quantize_activations(x, M, K, block, buf, levels == 2);
+    if (even_odd) {
+      if (x16) even_odd_order(buf.q16, R * K);
+      else even_odd_order(buf.q, R * K);
+    }
     tq::QAct a;
     a.q = buf.q; a.q16 = buf.q16; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16; a.bs16 = buf.bs16;
     a.K = K;
@@ -173,7 +188,8 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t
   torch::Tensor y = make_out(out, M, N);
   if (M == 0 || N == 0) return y;
   // 16-bit activations come in blocks of 32, which every type with dot16 kernels reads
-  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, levels == 16 ? 32 : k.act_block, levels);
+  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, levels == 16 ? 32 : k.act_block, levels,
+                                                   k.act_even_odd);
   if (levels != 2) {
     tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
     return y;
