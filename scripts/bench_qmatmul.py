@@ -81,15 +81,15 @@ class Case:
             scale = torch.rand(n, generator=gen) * 0.01
             return (w, scale), w.float() * scale[:, None]
         if self.qtype in (Q.INT4_GROUPWISE, Q.INT3_GROUPWISE):
-            from turbollm.quantization.packing import pack_3bit
+            from turbollm.quantization.packing import pack_3bit, pack_nibbles
 
             bits = 4 if self.qtype == Q.INT4_GROUPWISE else 3
             codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
-            packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else pack_3bit(codes)
+            packed = (pack_nibbles(codes) if bits == 4 else pack_3bit(codes)).contiguous()
             scales = (torch.rand(n, k // self.group, generator=gen) * 0.01).half()
             zeros = torch.randint(0, 1 << bits, (n, k // self.group), dtype=torch.uint8, generator=gen)
             deq = Q.int4_dequantize if bits == 4 else Q.int3_dequantize
-            return (packed.contiguous(), scales, zeros), deq(packed.contiguous(), scales, zeros, self.group)
+            return (packed, scales, zeros), deq(packed, scales, zeros, self.group)
         w = random_weight(self.qtype, n, k, gen)
         return (w,), dequantize(w, self.qtype, (n, k))
 
@@ -155,6 +155,7 @@ def main() -> None:
                         b = 4 * n * k if name == "fp32" else nbytes
                         row += f" | {t[name] * 1e3:8.3f} {b / t[name] / 1e9:6.1f} {flops / t[name] / 1e9:6.1f}"
                     print(row, flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -92,12 +92,11 @@ def quality(ns: argparse.Namespace) -> tuple[list[dict], float]:
     from turbollm.eval.perplexity import (check_window_args, evaluate, load_text, plan_windows, qmatmul_mode,
                                           tokenize_text)
     from turbollm.loader import load_model
-    from turbollm.quantization.footprint import format_bytes
 
     check_window_args(ns.ctx, ns.score, ns.max_tokens, ns.batch)
     text = load_text(ns.data)
     ref = load_model(ns.model, quantization="none")
-    ref_params = sum(p.numel() for p in {p.data_ptr(): p for p in ref.model.parameters()}.values())
+    ref_params = param_count(ref.model)
     ids, bos = tokenize_text(ref.tokenizer, text)
     plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
     cands, labels = [], []
@@ -121,31 +120,38 @@ def quality(ns: argparse.Namespace) -> tuple[list[dict], float]:
     else:
         ref_stats = evaluate([ref], plan, batch=ns.batch)[0]
     ref_stats.update(delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_p99=0.0, top1_agreement=100.0)
-    weights = {label: (m.weight_bytes, format_bytes(m.model)) for label, m in zip(labels, cands)}
-    out = []
-    for label, path, q in ns.rows:
-        wb, fb = weights.get(label, (ref.weight_bytes, format_bytes(ref.model)))
-        out.append({"format": label, "checkpoint": path, "quantization": q, "weight_bytes": wb,
-                    "format_bytes": fb, "resident_over_format": wb / fb, "bits_per_weight": 8 * fb / ref_params,
-                    **res.get(label, ref_stats)})
+    models = dict(zip(labels, cands))
+    out = [{**memory_columns(label, path, q, models.get(label, ref), ref_params), **res.get(label, ref_stats)}
+           for label, path, q in ns.rows]
     del cands, ref
     gc.collect()
     return out, ref_params
 
 
+def param_count(model) -> int:
+    """Parameters of `model`, a tied table counted once."""
+    return sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+def memory_columns(label: str, path: str, q: str | None, m, ref_params: int) -> dict:
+    """A row's identity and memory columns for the loaded model `m`."""
+    from turbollm.quantization.footprint import format_bytes
+
+    wb, fb = m.weight_bytes, format_bytes(m.model)
+    return {"format": label, "checkpoint": path, "quantization": q, "weight_bytes": wb, "format_bytes": fb,
+            "resident_over_format": wb / fb, "bits_per_weight": 8 * fb / ref_params}
+
+
 def memory_only(ns: argparse.Namespace) -> tuple[list[dict], int]:
     """Rows with the memory columns only (each checkpoint loaded once, in turn)."""
     from turbollm.loader import load_model
-    from turbollm.quantization.footprint import format_bytes
 
     ref = load_model(ns.model, quantization="none")
-    ref_params = sum(p.numel() for p in {p.data_ptr(): p for p in ref.model.parameters()}.values())
+    ref_params = param_count(ref.model)
     out = []
     for label, path, q in ns.rows:
         m = ref if (q == "none" and path == ns.model) else load_model(path, quantization=q)
-        wb, fb = m.weight_bytes, format_bytes(m.model)
-        out.append({"format": label, "checkpoint": path, "quantization": q, "weight_bytes": wb, "format_bytes": fb,
-                    "resident_over_format": wb / fb, "bits_per_weight": 8 * fb / ref_params})
+        out.append(memory_columns(label, path, q, m, ref_params))
         if m is not ref:
             del m
             gc.collect()

@@ -209,6 +209,21 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// 16-bit activations (QAct::q16): a block's 32 codes widened to int16 (w0: the first 16, w1: the
+// last 16), and their products with the 32 activations at x by madd_epi16 (|w| <= 128,
+// |x| <= 32767: each int32 lane sums 4 products, below 2^24: exact in float).
+template <bool Signed>
+static inline void widen16(__m256i q, __m256i& w0, __m256i& w1) {
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  w0 = Signed ? _mm256_cvtepi8_epi16(q0) : _mm256_cvtepu8_epi16(q0);
+  w1 = Signed ? _mm256_cvtepi8_epi16(q1) : _mm256_cvtepu8_epi16(q1);
+}
+
+static inline __m256i dot_x16(__m256i w0, __m256i w1, const int16_t* x) {
+  const __m256i* v = reinterpret_cast<const __m256i*>(x);
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(v)), _mm256_madd_epi16(w1, _mm256_loadu_si256(v + 1)));
+}
+
 // 32 4-bit values from 16 bytes: low nibbles are elements 0..15, high nibbles 16..31.
 // (The 16 bytes are broadcast to both lanes by the load; one variable shift moves the high
 // lane's nibbles down.)

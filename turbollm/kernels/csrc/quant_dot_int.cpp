@@ -45,16 +45,21 @@ struct Nibbles {  // int4
   static constexpr bool kEvenOdd = true;  // byte i holds columns 2i (low nibble) and 2i + 1
   static inline int code(const uint8_t* blk, int i) { return (i & 1) ? (blk[i / 2] >> 4) : (blk[i / 2] & 0x0F); }
 #ifdef __AVX2__
-  static inline __m256i decode(const uint8_t* blk) {
+  static inline void nibbles(const uint8_t* blk, __m128i& lo, __m128i& hi) {  // even columns, odd columns
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-    const __m128i lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
+    lo = _mm_and_si128(p, m4);
+    hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
+  }
+  static inline __m256i decode(const uint8_t* blk) {
+    __m128i lo, hi;
+    nibbles(blk, lo, hi);
     return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
   }
   static inline __m256i codes8(const uint8_t* blk) {  // even columns, then odd
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
+    __m128i lo, hi;
+    nibbles(blk, lo, hi);
+    return _mm256_set_m128i(hi, lo);
   }
   static inline void codes16(const uint8_t* blk, __m256i& w0, __m256i& w1) {  // even columns, odd columns
     const __m256i p = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
@@ -80,11 +85,7 @@ struct ThreeBit {  // int3
     return _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(blk + 8), _mm256_set1_epi8(0x04)));
   }
   static inline __m256i codes8(const uint8_t* blk) { return decode(blk); }
-  static inline void codes16(const uint8_t* blk, __m256i& w0, __m256i& w1) {
-    const __m256i q = decode(blk);
-    w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
-    w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
-  }
+  static inline void codes16(const uint8_t* blk, __m256i& w0, __m256i& w1) { widen16<false>(decode(blk), w0, w1); }
 #endif
 };
 
@@ -111,21 +112,10 @@ void deq_group(const WView& w, int64_t n, float* out) {
 }
 
 #ifdef __AVX2__
-// X16: 16-bit activations (a.q16): the 32 codes as int16 (w0: the activations' first 16, w1:
-// the last 16) multiplied with madd_epi16 (|w| <= 128, |x| <= 32767: each int32 lane sums 4
-// products, below 2^24: exact in float). Otherwise int8 activations: u8 x s8 products (signed
-// weights by the sign trick |w| . (x * sign(w))).
-static inline __m256i dot_x16(__m256i w0, __m256i w1, const int16_t* x) {
-  const __m256i* v = reinterpret_cast<const __m256i*>(x);
-  return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(v)), _mm256_madd_epi16(w1, _mm256_loadu_si256(v + 1)));
-}
+static inline __m256i load32(const int8_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
 
-template <bool Signed>
-static inline __m256i dot_x8(__m256i q, const int8_t* x) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return Signed ? dot_u8s8(_mm256_abs_epi8(q), _mm256_sign_epi8(v, q)) : dot_u8s8(q, v);
-}
-
+// X16: 16-bit activations (a.q16, widen16 / dot_x16 of quant_common.h); otherwise int8 ones
+// (u8 x s8 products; int8's signed weights by the sign trick |w| . (x * sign(w))).
 template <int T, bool X16>
 void dot_int8(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
@@ -140,13 +130,11 @@ void dot_int8(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, 
   for (int64_t b = 0; b < w.K / 32; ++b) {
     if ((b & 1) == 0) prefetch_ahead(row + 32 * b, 1);
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
-    __m256i w0, w1;
-    if constexpr (X16) {
-      w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
-      w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wq, 1));
-    }
+    __m256i w0, w1, aw;
+    if constexpr (X16) widen16<true>(wq, w0, w1); else aw = _mm256_abs_epi8(wq);
     for (int t = 0; t < T; ++t) {
-      const __m256i s = X16 ? dot_x16(w0, w1, xq16[t] + 32 * b) : dot_x8<true>(wq, xq[t] + 32 * b);
+      const __m256i s = X16 ? dot_x16(w0, w1, xq16[t] + 32 * b)
+                            : dot_u8s8(aw, _mm256_sign_epi8(load32(xq[t] + 32 * b), wq));
       const __m256 p = _mm256_cvtepi32_ps(s);
       acc.at(t, (int)(b % Acc<T>::A)) = _mm256_fmadd_ps(p, _mm256_broadcast_ss(xd[t] + b), acc.at(t, (int)(b % Acc<T>::A)));
     }
@@ -181,7 +169,7 @@ void dot_group(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out,
     __m256i q, w0, w1;
     if constexpr (X16) C::codes16(blk, w0, w1); else q = C::codes8(blk);
     for (int t = 0; t < T; ++t) {
-      const __m256i s = X16 ? dot_x16(w0, w1, xq16[t] + 32 * b) : dot_x8<false>(q, xq[t] + 32 * b);
+      const __m256i s = X16 ? dot_x16(w0, w1, xq16[t] + 32 * b) : dot_u8s8(q, load32(xq[t] + 32 * b));
       const __m256 p = _mm256_cvtepi32_ps(s);
       __m256& av = acc.at(t, j);
       av = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&ddx[t][j]), av);

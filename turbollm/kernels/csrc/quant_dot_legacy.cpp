@@ -140,8 +140,7 @@ static inline __m256 gather_fp16x8(const uint8_t* p, int64_t stride) {
 
 // Blocks are taken 8 at a time (their scales handled as 8-wide vectors: d * dx, and the offset
 // term c * s32 accumulated in a vector), then one at a time for the remainder.
-// X16: 16-bit activations (a.q16): the 32 weights widened to int16 and multiplied with madd_epi16
-// (|w| <= 128, |x| <= 32767: each int32 lane sums 4 products, below 2^24: exact in float).
+// X16: 16-bit activations (a.q16): the 32 weights widened to int16 (widen16, dot_x16).
 template <class B, bool Signed, Off O, int OFF, int T, bool X16 = false>
 void dot_legacy(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
@@ -162,13 +161,10 @@ void dot_legacy(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out
   auto block = [&](const uint8_t* blk, int64_t b, const float* const* scale, int j) {
     const __m256i q = B::quants(blk);
     if constexpr (X16) {
-      const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-      const __m256i w0 = Signed ? _mm256_cvtepi8_epi16(q0) : _mm256_cvtepu8_epi16(q0);
-      const __m256i w1 = Signed ? _mm256_cvtepi8_epi16(q1) : _mm256_cvtepu8_epi16(q1);
+      __m256i w0, w1;
+      widen16<Signed>(q, w0, w1);
       for (int t = 0; t < T; ++t) {
-        const __m256i* x = reinterpret_cast<const __m256i*>(xq16[t] + b * 32);
-        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)),
-                                           _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+        const __m256i s = dot_x16(w0, w1, xq16[t] + b * 32);
         __m256& av = acc.at(t, j);
         av = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&scale[t][j]), av);
       }
