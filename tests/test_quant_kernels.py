@@ -96,10 +96,12 @@ def test_int8_per_channel():
 
 
 @needs_kernels
-@pytest.mark.parametrize("group", [32, 64, 96, 128])
+@pytest.mark.parametrize("group", [32, 64, 96, 128, 256])
 def test_int4_groupwise(group):
     gen = torch.Generator().manual_seed(group)
-    n, k = 37, 384  # 12 blocks: the kernels' 8-block step and the remainder; 96: groups across the steps
+    # 12 blocks: the kernels' 8-block step (scales spread by a permute for 32/64/128, block by
+    # block for 96, whose groups straddle the steps) and the remainder; 256: one scale per step
+    n, k = 37, 384 if group < 256 else 768
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     scales = (torch.rand(n, k // group, generator=gen) * 0.01).half()
     zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)

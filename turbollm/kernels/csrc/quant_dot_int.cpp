@@ -144,7 +144,33 @@ void dot_int8(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, 
 
 // Blocks are taken 8 at a time: their group scales d and offsets c = -d z spread to one float per
 // block, d * dx and c * s32 as 8-wide vectors (the offset term accumulated in a vector); then
-// one block at a time for the remainder (K / 32 not a multiple of 8).
+// one block at a time for the remainder (K / 32 not a multiple of 8). The spread is a permute of
+// the row's packed fp16 scales and uint8 zeros when a group spans 1, 2 or 4 blocks (group 32, 64,
+// 128), a broadcast when it spans a multiple of 8, and block by block otherwise (e.g. group 96).
+template <int Per>
+static inline void spread_scales(const uint8_t* s16, const uint8_t* z8, int64_t g0, __m256& d8, __m256& c8) {
+  __m128i sh, zb;
+  if constexpr (Per == 1) {
+    sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 2 * g0));
+    zb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(z8 + g0));
+  } else if constexpr (Per == 2) {
+    sh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s16 + 2 * g0));
+    zb = _mm_cvtsi32_si128((int)load_u32(z8 + g0));
+  } else {
+    static_assert(Per == 4, "groups of 1, 2 or 4 blocks");
+    sh = _mm_cvtsi32_si128((int)load_u32(s16 + 2 * g0));
+    uint16_t z2;
+    std::memcpy(&z2, z8 + g0, 2);
+    zb = _mm_cvtsi32_si128(z2);
+  }
+  const __m256i idx = Per == 1 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                    : Per == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                               : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  d8 = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(sh), idx);
+  const __m256 z = _mm256_permutevar8x32_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb)), idx);
+  c8 = _mm256_xor_ps(_mm256_mul_ps(d8, z), _mm256_set1_ps(-0.0f));  // -(d z), as the scalar path
+}
+
 template <class C, int T, bool X16>
 void dot_group(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
   const uint8_t* row = w.row(n);
@@ -184,17 +210,35 @@ void dot_group(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out,
       d = fp16_to_fp32(s16 + 2 * g), c = -(d * (float)z8[g]);
     }
   };
+  const bool vec_spread = per == 1 || per == 2 || per == 4 || per % 8 == 0;
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
     prefetch_ahead(row + C::kBytes * b, (8 * C::kBytes + 63) / 64);
-    for (int i = 0; i < 8; ++i, next()) { dv[i] = d; cv[i] = c; }
-    const __m256 d8 = _mm256_load_ps(dv), c8 = _mm256_load_ps(cv);
+    __m256 d8, c8;
+    switch (per) {
+      case 1: spread_scales<1>(s16, z8, b, d8, c8); break;
+      case 2: spread_scales<2>(s16, z8, b >> 1, d8, c8); break;
+      case 4: spread_scales<4>(s16, z8, b >> 2, d8, c8); break;
+      default:
+        if (per % 8 == 0) {
+          const int64_t gb = b / per;
+          const float db = fp16_to_fp32(s16 + 2 * gb);
+          d8 = _mm256_set1_ps(db), c8 = _mm256_set1_ps(-(db * (float)z8[gb]));
+        } else {
+          for (int i = 0; i < 8; ++i, next()) { dv[i] = d; cv[i] = c; }
+          d8 = _mm256_load_ps(dv), c8 = _mm256_load_ps(cv);
+        }
+    }
     for (int t = 0; t < T; ++t) {
       _mm256_store_ps(ddx[t], _mm256_mul_ps(d8, _mm256_loadu_ps(xd[t] + b)));
       corr[t] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xs[t] + b), corr[t]);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) block(b + j, j);
+  }
+  if (vec_spread) {  // the vector spreads above did not advance g, r
+    g = b / per, r = b % per;
+    if (g < groups) d = fp16_to_fp32(s16 + 2 * g), c = -(d * (float)z8[g]);
   }
   for (; b < nb; ++b, next()) {  // remainder: scalar scales
     for (int t = 0; t < T; ++t) {
