@@ -198,11 +198,13 @@ def test_tiny_engine_generates_the_same(tiny_gguf, qpath):
 
 
 def test_auto_kv_cache_dtype_follows_the_weights(tiny_gguf):
-    """kv_cache_dtype="auto": float16 (llama.cpp's default) for GGUF blocks, float32 for the fp32 reference."""
+    """kv_cache_dtype="auto": float16 (llama.cpp's default) for quantized weights (GGUF blocks, int8 at
+    load), float32 for the fp32 reference."""
     from turbollm import LLM
 
     for quantization, kv, want in ((None, "auto", torch.float16), ("none", "auto", torch.float32),
-                                   (None, "float32", torch.float32), ("none", "float16", torch.float16)):
+                                   ("int8-rtn", "auto", torch.float16), (None, "float32", torch.float32),
+                                   ("int8-rtn", "float32", torch.float32), ("none", "float16", torch.float16)):
         llm = LLM(str(tiny_gguf), quantization=quantization, kv_cache_dtype=kv, kv_cache_memory=1 << 20, threads=1)
         assert llm.engine.kv_spec.dtype == want, (quantization, kv)
         assert all(k.dtype == want for k, _ in llm.engine.runner.kv_caches)

@@ -34,8 +34,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache budget in GiB")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="K/V storage: float32, or float16 (half the bytes attention reads; values rounded to "
-                        "fp16); auto (default): float16 for a GGUF model in its own block types, as llama.cpp, "
-                        "float32 otherwise")
+                        "fp16); auto (default): float16 for quantized weights (GGUF block types, --quantization "
+                        "int8/int4/int3, GPTQ/AWQ folders), as llama.cpp, float32 for the fp32 reference")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action="store_true",

@@ -21,7 +21,7 @@ def _available_memory() -> int:
 
 
 # kv_cache_dtype names -> the torch dtype (by name: this module stays import-light for the CLI)
-# of the paged K/V storage; "auto" depends on the weights (AUTO_KV_DTYPES)
+# of the paged K/V storage; "auto" depends on the weights (AUTO_KV_DTYPE_QUANTIZED)
 KV_CACHE_DTYPES: dict[str, str] = {
     "auto": "float32",
     "float32": "float32",
@@ -29,10 +29,11 @@ KV_CACHE_DTYPES: dict[str, str] = {
     "fp16": "float16",
 }
 
-# What "auto" means per linear method: a GGUF model whose weights stay in their block types runs
-# with llama.cpp's default float16 cache (KL against fp32 K/V: 5e-7 to 3e-6 nats/token measured,
-# docs/BENCHMARKS.md); every other model, the fp32 reference included, keeps float32.
-AUTO_KV_DTYPES: dict[str, str] = {"gguf": "float16"}
+# What "auto" means: a model whose linear weights are quantized (GGUF block types, the int8 /
+# int4 / int3 layouts, GPTQ and AWQ folders) runs with llama.cpp's default float16 cache (KL
+# against fp32 K/V: 5e-7 to 3e-6 nats/token measured, docs/BENCHMARKS.md); the fp32 reference
+# (linear method "none", or none named, as `eval ppl` measures the weights alone) keeps float32.
+AUTO_KV_DTYPE_QUANTIZED = "float16"
 
 
 def kv_cache_torch_dtype(name: str, quantization: str | None = None):
@@ -40,8 +41,8 @@ def kv_cache_torch_dtype(name: str, quantization: str | None = None):
     linear method `quantization` (which only "auto" depends on)."""
     import torch
 
-    if name == "auto":
-        return getattr(torch, AUTO_KV_DTYPES.get(quantization or "", KV_CACHE_DTYPES["auto"]))
+    if name == "auto" and (quantization or "none") != "none":
+        return getattr(torch, AUTO_KV_DTYPE_QUANTIZED)
     return getattr(torch, KV_CACHE_DTYPES[name])
 
 
