@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbollm.errors import WeightLoadError
+from turbollm.kernels.dense import dense_linear
 from turbollm.kernels.quant import ggml_embedding, ggml_linear
 from turbollm.layers.linear import copy_checked
 from turbollm.quantization.qtensor import QuantizedTensor, mark_ggml
@@ -81,6 +82,6 @@ class LMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         qtype = self.qtype
         if qtype is None:
-            return F.linear(hidden, self.weight)
+            return dense_linear(hidden, self.weight)
         flat = hidden.reshape(-1, self.dim)
         return ggml_linear(flat, self.weight, qtype, self.dim).reshape(*hidden.shape[:-1], self.vocab_size)

@@ -6,15 +6,15 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.dense import dense_linear
 from turbollm.quantization.qtensor import QuantizedTensor, as_dense
 
 LINEAR_METHODS: dict[str, type["LinearMethod"]] = {}
 
-#: `DecodeParts` type of a dense float32 part (multiplied by F.linear).
+#: `DecodeParts` type of a dense float32 part (multiplied by kernels.dense.dense_linear).
 DENSE_PART = -1
 
 
@@ -23,7 +23,7 @@ class DecodeParts:
     """A linear layer as the fused decode step multiplies by it: output-row parts in order, each a
     (GGML type with C++ kernels, uint8 blocks) or (DENSE_PART, float32 [rows, K]) pair, their
     outputs concatenated, then the layer's bias added in place; with `bias_in_linear` (one dense
-    part) the bias goes into the product itself, as ``F.linear(x, w, b)``."""
+    part) the bias goes into the product itself, as ``dense_linear(x, w, b)``."""
 
     parts: tuple[tuple[int, torch.Tensor], ...]
     bias_in_linear: bool = False
@@ -110,7 +110,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
     def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
         if layer.weight.dtype != torch.float32:

@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from turbollm.errors import WeightLoadError
+from turbollm.kernels.dense import dense_linear
 from turbollm.kernels.quant import ggml_linear, kernel_supported
 from turbollm.quantization.base import DENSE_PART, DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.qtensor import GGML_F32, QuantizedTensor, ggml_type_name, mark_ggml
@@ -60,7 +60,7 @@ def _join(shards: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor:
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    return F.linear(x, w) if qtype == GGML_F32 else ggml_linear(x, w, qtype, k)
+    return dense_linear(x, w) if qtype == GGML_F32 else ggml_linear(x, w, qtype, k)
 
 
 @register_linear_method("gguf")

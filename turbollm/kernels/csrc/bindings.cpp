@@ -21,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether a type has kernels");
   m.def("supported16", &supported16, "whether a type has 16-bit activation (q16) kernels");
 
+  m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias): a pass over W for up to 4 rows of x at a time "
+        "(up to 8 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),
+        pybind11::arg("bias") = pybind11::none());
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)");
 
   bind_decode_step(m);

@@ -13,11 +13,11 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int64_t kDense = -1;  // a float32 part, multiplied by at::linear
+constexpr int64_t kDense = -1;  // a float32 part, multiplied by dense_linear (as the module path)
 
 // A linear layer as its method applies it: parts of output rows (GGML types, the integer layouts
 // with their scales / zero points / group, or dense float32), concatenated, then the bias added in
-// place; or one dense part with the bias inside at::linear. With `perm` (GPTQ act-order) the
+// place; or one dense part with the bias inside dense_linear. With `perm` (GPTQ act-order) the
 // input columns are gathered first, as the int4 method's apply does.
 struct Linear {
   std::vector<int64_t> qtypes;
@@ -33,13 +33,13 @@ struct Linear {
   // levels as linear_q8 takes them; 16 (q16) falls back to 2 (q8x2) for a type without 16-bit
   // kernels, as kernels/quant.py levels_for does
   torch::Tensor part(const torch::Tensor& x, size_t i, int64_t levels) const {
-    if (qtypes[i] == kDense) return at::linear(x, weights[i]);
+    if (qtypes[i] == kDense) return dense_linear(x, weights[i], c10::nullopt);
     if (levels == 16 && !has16[i]) levels = 2;
     return linear_q8(x, weights[i], qtypes[i], K, scales[i], zeros[i], groups[i], c10::nullopt, levels);
   }
 
   torch::Tensor operator()(const torch::Tensor& x_in, int64_t levels) const {
-    if (bias_in_linear) return at::linear(x_in, weights[0], bias);
+    if (bias_in_linear) return dense_linear(x_in, weights[0], bias);
     const torch::Tensor x = perm ? x_in.index_select(1, *perm) : x_in;
     torch::Tensor y;
     if (weights.size() == 1) {

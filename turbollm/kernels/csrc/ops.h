@@ -2,7 +2,7 @@
 // (bindings.cpp) and the fused decode step (decode_step.cpp), which calls them without Python.
 //
 // fused_ops.cpp: rms_norm, rope_, gated_act; paged_attention.cpp: paged_decode_attention,
-// paged_write_kv; quant_ops.cpp: the quantized matmuls (weight formats in quant_ops.cpp's header
+// paged_write_kv; dense_gemv.cpp: dense_linear (float32 decode rows); quant_ops.cpp: the quantized matmuls (weight formats in quant_ops.cpp's header
 // comment; their PyTorch references in turbollm/kernels/quant.py); scaled_row_max.cpp: the int8
 // equalization search's row maxima.
 #pragma once
@@ -34,3 +34,4 @@ bool supported(int64_t qtype);
 bool supported16(int64_t qtype);
 
 torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

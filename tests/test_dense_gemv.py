@@ -1,0 +1,47 @@
+"""The float32 decode-row linear (csrc/dense_gemv.cpp, kernels/dense.py) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbollm.kernels import get_kernels
+from turbollm.kernels.dense import DENSE_MAX_ROWS, dense_linear
+
+kernels = get_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
+
+
+@pytest.mark.parametrize("k", [576, 72, 7])  # 16-wide steps only, steps + remainder, remainder only
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])  # one pass of 4 rows, two passes, a partial one
+def test_dense_linear_matches_f_linear(rows, k):
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    n = 300  # several parallel tasks at 2 threads
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        out = kernels.dense_linear(x, w, bias)
+        assert out.shape == (rows, n)
+        torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
+        # each output is one row of x against one row of W: independent of the other rows
+        torch.testing.assert_close(out[-1:], kernels.dense_linear(x[-1:], w, bias), rtol=0, atol=0)
+
+
+def test_dense_linear_strided_rows_and_batch_shapes():
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(3, 2 * 96, generator=g)
+    x = wide[:, :96]  # rows 192 floats apart
+    w = torch.randn(40, 96, generator=g)
+    torch.testing.assert_close(kernels.dense_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 3, 96, generator=g)  # [B, T, K] through the wrapper
+    torch.testing.assert_close(dense_linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-4)
+
+
+def test_many_rows_and_other_dtypes_take_f_linear():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(50, 64, generator=g)
+    x = torch.randn(DENSE_MAX_ROWS + 1, 64, generator=g)
+    assert torch.equal(kernels.dense_linear(x, w, None), F.linear(x, w))
+    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+    x64, w64 = x.double(), w.double()
+    assert torch.equal(kernels.dense_linear(x64, w64, None), F.linear(x64, w64))

@@ -1,0 +1,86 @@
+// float32 x [M, K] @ W [N, K]^T (+ bias) for the few rows of a decode step.
+//
+// The sgemm torch ships is tuned for many rows: at M = 1 it reads W at 8-13 GB/s of this
+// machine's ~17 whatever torch's thread count, at M = 2 to 8 at 3.5-8 GB/s (docs/BENCHMARKS.md).
+// Here each output row n is one pass over W[n] for up to kTile rows of x at once (8-wide FMAs,
+// two accumulators per row of x), the rows of W split over torch's threads; more than kMaxRows
+// rows of x go to at::linear. Up to kMaxRows rows, a row's result does not depend on the other
+// rows of the batch. The dense float32 weights (linear method "none", GGUF F32 parts, a dense LM
+// head) take this in the module path and in the fused decode step alike, so the two stay
+// bit-identical; its reference is F.linear (tests/test_dense_gemv.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kTile = 4;      // rows of x per pass over W
+constexpr int64_t kMaxRows = 8;  // beyond this, at::linear (a pass over W per 4 rows stops paying)
+
+template <int T>
+void rows_of_w(const float* w, const float* x, const float* bias, float* out, int64_t K, int64_t N,
+               int64_t ldx, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* r = w + n * K;
+    float sum[T];
+    int64_t k = 0;
+#ifdef __AVX2__
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = _mm256_loadu_ps(r + k), w1 = _mm256_loadu_ps(r + k + 8);
+      for (int t = 0; t < T; ++t) {
+        acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + k), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + k + 8), acc[t][1]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256 a = _mm256_add_ps(acc[t][0], acc[t][1]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      sum[t] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+#else
+    for (int t = 0; t < T; ++t) sum[t] = 0.f;
+#endif
+    for (; k < K; ++k)
+      for (int t = 0; t < T; ++t) sum[t] += r[k] * x[t * ldx + k];
+    const float b = bias ? bias[n] : 0.f;
+    for (int t = 0; t < T; ++t) out[t * N + n] = sum[t] + b;
+  }
+}
+
+using RowsFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                        int64_t);
+constexpr RowsFn kRows[kTile] = {rows_of_w<1>, rows_of_w<2>, rows_of_w<3>, rows_of_w<4>};
+
+}  // namespace
+
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_linear: x [M, K] and W [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool plain = x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
+                     x.device().is_cpu() && w.is_contiguous() && x.stride(1) == 1 &&
+                     (!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N));
+  if (!plain || M == 0 || M > kMaxRows) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
+  auto out = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t ldx = x.stride(0);
+  // each task a few hundred KB of W: enough to hide the fork / join, small enough to share out
+  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / K);
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    const int64_t t = std::min(kTile, M - m0);
+    const float* xp = x.data_ptr<float>() + m0 * ldx;
+    float* op = out.data_ptr<float>() + m0 * N;
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kRows[t - 1](wp, xp, bp, op, K, N, ldx, n0, n1); });
+  }
+  return out;
+}

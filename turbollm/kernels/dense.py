@@ -1,0 +1,29 @@
+"""float32 ``x @ W.T (+ bias)`` for the dense weights (linear method "none", a dense LM head).
+
+Decode steps multiply a few rows of x (one per sequence) by each weight. A general sgemm reads
+W at 5-7 GB/s on this machine for one row and re-reads it per row at four (docs/BENCHMARKS.md),
+so up to `DENSE_MAX_ROWS` rows go to the C++ kernel (csrc/dense_gemv.cpp: one pass over W per 4
+rows of x, rows of W over torch's threads); more rows, other dtypes or no kernels: ``F.linear``,
+which is also the reference its test holds it to (tests/test_dense_gemv.py). The fused decode step
+calls the same C++ function, so module path and fused step stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbollm.kernels import cpu_kernels
+
+DENSE_MAX_ROWS = 8  # as kMaxRows in csrc/dense_gemv.cpp
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > DENSE_MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, w, bias)
+    kernels = cpu_kernels()
+    if kernels is None:
+        return F.linear(x, w, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    return kernels.dense_linear(flat, w, bias).reshape(*x.shape[:-1], w.shape[0])
