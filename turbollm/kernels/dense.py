@@ -1,12 +1,13 @@
-"""float32 ``x @ W.T (+ bias)`` for the dense weights (linear method "none", a dense LM head).
+"""float32 ``x @ W.T (+ bias)`` for the dense weights (linear method "none", GGUF F32 parts, a
+dense LM head).
 
-Decode steps multiply a few rows of x (one per sequence) by each weight. A general sgemm reads
-W at 5-7 GB/s on this machine for one row and re-reads it per row at four (docs/BENCHMARKS.md),
-so up to `DENSE_MAX_ROWS` rows go to the C++ kernel (csrc/dense_gemv.cpp: one pass over W per 4
-rows of x, rows of W over torch's threads); more rows, other dtypes or no kernels: ``F.linear``,
-which is also the reference its test holds it to (tests/test_dense_gemv.py). The fused decode step
-calls the same C++ function, so module path and fused step stay bit-identical.
-"""
+Decode steps multiply a few rows of x (one per sequence) by each weight. The sgemm torch ships
+reads W at 8-13 GB/s of this machine's ~17 for one row, on one core whatever the thread count, and
+at 3.5-8 GB/s for 2 to 8 rows (docs/BENCHMARKS.md), so up to `DENSE_MAX_ROWS` rows go to the C++
+kernel (csrc/dense_gemv.cpp: one pass over W per 4 rows of x, rows of W over torch's threads);
+more rows, other dtypes or no kernels: ``F.linear``, which is also the reference its test holds it
+to (tests/test_dense_gemv.py). The fused decode step calls the same C++ function, so module path
+and fused step stay bit-identical."""
 
 from __future__ import annotations
 

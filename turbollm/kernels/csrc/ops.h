@@ -2,9 +2,9 @@
 // (bindings.cpp) and the fused decode step (decode_step.cpp), which calls them without Python.
 //
 // fused_ops.cpp: rms_norm, rope_, gated_act; paged_attention.cpp: paged_decode_attention,
-// paged_write_kv; dense_gemv.cpp: dense_linear (float32 decode rows); quant_ops.cpp: the quantized matmuls (weight formats in quant_ops.cpp's header
-// comment; their PyTorch references in turbollm/kernels/quant.py); scaled_row_max.cpp: the int8
-// equalization search's row maxima.
+// paged_write_kv; dense_gemv.cpp: dense_linear (float32 decode rows); quant_ops.cpp: the
+// quantized matmuls (weight formats in quant_ops.cpp's header comment; their PyTorch references in
+// turbollm/kernels/quant.py); scaled_row_max.cpp: the int8 equalization search's row maxima.
 #pragma once
 #include <torch/extension.h>
 
