@@ -1,7 +1,7 @@
 """Benchmark of the float32 decode-row linear (turbollm/kernels/dense.py) against F.linear.
 
 For each weight shape (K -> N) and row count M it times ``F.linear`` (the sgemm torch ships) and
-``dense_linear`` (csrc/dense_gemv.cpp for M <= DENSE_MAX_ROWS, F.linear beyond) side by side,
+``dense_linear`` (csrc/dense_gemv.cpp for M <= 8, at::linear beyond) side by side,
 round-robin, at each thread count. Weights are cold: enough copies to overflow the 32 MiB L3 are
 used in turn. GB/s counts 4 bytes a weight (what a pass over W reads), GFLOP/s 2*M*N*K/t.
 Shapes are the decode matmuls of smollm2-135m and qwen2.5-coder-0.5b (QKV, gate/up, down, LM head).

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from turbollm.kernels import get_kernels
-from turbollm.kernels.dense import DENSE_MAX_ROWS, dense_linear
+from turbollm.kernels.dense import dense_linear
 
 kernels = get_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
@@ -40,7 +40,7 @@ def test_dense_linear_strided_rows_and_batch_shapes():
 def test_many_rows_and_other_dtypes_take_f_linear():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(50, 64, generator=g)
-    x = torch.randn(DENSE_MAX_ROWS + 1, 64, generator=g)
+    x = torch.randn(kernels.dense_max_rows + 1, 64, generator=g)
     assert torch.equal(kernels.dense_linear(x, w, None), F.linear(x, w))
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
     x64, w64 = x.double(), w.double()

@@ -3,10 +3,10 @@ dense LM head).
 
 Decode steps multiply a few rows of x (one per sequence) by each weight. The sgemm torch ships
 reads W at 8-13 GB/s of this machine's ~17 for one row, on one core whatever the thread count, and
-at 3.5-8 GB/s for 2 to 8 rows (docs/BENCHMARKS.md), so up to `DENSE_MAX_ROWS` rows go to the C++
+at 3.5-8 GB/s for 2 to 8 rows (docs/BENCHMARKS.md), so up to ``dense_max_rows`` (8) rows go to the C++
 kernel (csrc/dense_gemv.cpp: one pass over W per 4 rows of x, rows of W over torch's threads);
-more rows, other dtypes or no kernels: ``F.linear``, which is also the reference its test holds it
-to (tests/test_dense_gemv.py). The fused decode step calls the same C++ function, so module path
+more rows or other dtypes go from there to ``at::linear``, and without kernels ``F.linear`` is
+used, which is also the reference the test holds it to (tests/test_dense_gemv.py). The fused decode step calls the same C++ function, so module path
 and fused step stay bit-identical."""
 
 from __future__ import annotations
@@ -16,15 +16,10 @@ import torch.nn.functional as F
 
 from turbollm.kernels import cpu_kernels
 
-DENSE_MAX_ROWS = 8  # as kMaxRows in csrc/dense_gemv.cpp
-
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows > DENSE_MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, w, bias)
     kernels = cpu_kernels()
     if kernels is None:
         return F.linear(x, w, bias)
-    flat = x.reshape(rows, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1])
     return kernels.dense_linear(flat, w, bias).reshape(*x.shape[:-1], w.shape[0])

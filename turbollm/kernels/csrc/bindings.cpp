@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias): a pass over W for up to 4 rows of x at a time "
         "(up to 8 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("bias") = pybind11::none());
+  m.attr("dense_max_rows") = kDenseMaxRows;
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)");
 
   bind_decode_step(m);

@@ -3,26 +3,22 @@
 // The sgemm torch ships is tuned for many rows: at M = 1 it reads W at 8-13 GB/s of this
 // machine's ~17 whatever torch's thread count, at M = 2 to 8 at 3.5-8 GB/s (docs/BENCHMARKS.md).
 // Here each output row n is one pass over W[n] for up to kTile rows of x at once (8-wide FMAs,
-// two accumulators per row of x), the rows of W split over torch's threads; more than kMaxRows
-// rows of x go to at::linear. Up to kMaxRows rows, a row's result does not depend on the other
-// rows of the batch. The dense float32 weights (linear method "none", GGUF F32 parts, a dense LM
-// head) take this in the module path and in the fused decode step alike, so the two stay
-// bit-identical; its reference is F.linear (tests/test_dense_gemv.py).
+// two accumulators per row of x), the rows of W split over torch's threads; more than
+// kDenseMaxRows (ops.h) rows of x go to at::linear. Up to that many rows, a row's result does not
+// depend on the other rows of the batch. The dense float32 weights (linear method "none", GGUF F32
+// parts, a dense LM head) take this in the module path and in the fused decode step alike, so the
+// two stay bit-identical; its reference is F.linear (tests/test_dense_gemv.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
 #include "ops.h"
+#include "quant_common.h"
 
 namespace {
 
-constexpr int64_t kTile = 4;      // rows of x per pass over W
-constexpr int64_t kMaxRows = 8;  // beyond this, at::linear (a pass over W per 4 rows stops paying)
+constexpr int64_t kTile = 4;  // rows of x per pass over W
 
 template <int T>
 void rows_of_w(const float* w, const float* x, const float* bias, float* out, int64_t K, int64_t N,
@@ -41,12 +37,7 @@ void rows_of_w(const float* w, const float* x, const float* bias, float* out, in
         acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + k + 8), acc[t][1]);
       }
     }
-    for (int t = 0; t < T; ++t) {
-      const __m256 a = _mm256_add_ps(acc[t][0], acc[t][1]);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sum[t] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    for (int t = 0; t < T; ++t) sum[t] = tq::hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
 #else
     for (int t = 0; t < T; ++t) sum[t] = 0.f;
 #endif
@@ -69,7 +60,7 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const bool plain = x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
                      x.device().is_cpu() && w.is_contiguous() && x.stride(1) == 1 &&
                      (!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N));
-  if (!plain || M == 0 || M > kMaxRows) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
+  if (!plain || M == 0 || M > kDenseMaxRows) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
   auto out = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const float* wp = w.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;

@@ -34,4 +34,7 @@ bool supported(int64_t qtype);
 bool supported16(int64_t qtype);
 
 torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
+// rows of x up to which dense_linear takes its own kernel (beyond, a pass over W per 4 rows stops
+// paying and at::linear does the product)
+constexpr int64_t kDenseMaxRows = 8;
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

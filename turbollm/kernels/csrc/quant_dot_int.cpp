@@ -210,7 +210,6 @@ void dot_group(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out,
       d = fp16_to_fp32(s16 + 2 * g), c = -(d * (float)z8[g]);
     }
   };
-  const bool vec_spread = per == 1 || per == 2 || per == 4 || per % 8 == 0;
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
     prefetch_ahead(row + C::kBytes * b, (8 * C::kBytes + 63) / 64);
@@ -236,10 +235,8 @@ void dot_group(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out,
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) block(b + j, j);
   }
-  if (vec_spread) {  // the vector spreads above did not advance g, r
-    g = b / per, r = b % per;
-    if (g < groups) d = fp16_to_fp32(s16 + 2 * g), c = -(d * (float)z8[g]);
-  }
+  g = b / per, r = b % per;  // the remainder's first block (the vector spreads do not advance g, r)
+  if (g < groups) d = fp16_to_fp32(s16 + 2 * g), c = -(d * (float)z8[g]);
   for (; b < nb; ++b, next()) {  // remainder: scalar scales
     for (int t = 0; t < T; ++t) {
       ddx[t][0] = d * xd[t][b];
