@@ -116,10 +116,12 @@ def quality(ns: argparse.Namespace) -> tuple[list[dict], float]:
     if cands:
         res = dict(zip(labels, evaluate(cands, plan, ref, batch=ns.batch, qmatmul=ns.qmatmul)))
         first = res[labels[0]]
-        ref_stats = {"windows": first["windows"], "tokens": first["tokens"], "ppl": first["ref_ppl"]}
+        ref_stats = {"windows": first["windows"], "tokens": first["tokens"], "ppl": first["ref_ppl"],
+                     "entropy": first["ref_entropy"]}
     else:
         ref_stats = evaluate([ref], plan, batch=ns.batch)[0]
-    ref_stats.update(delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_p99=0.0, top1_agreement=100.0)
+    ref_stats.update(delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_p99=0.0, top1_agreement=100.0,
+                     entropy_delta=0.0)
     models = dict(zip(labels, cands))
     out = [{**memory_columns(label, path, q, models.get(label, ref), ref_params), **res.get(label, ref_stats)}
            for label, path, q in ns.rows]
@@ -191,13 +193,16 @@ def print_paired(rows: list[dict], label: str) -> None:
     base = next(r for r in rows if r["format"] == label)
     print(f"\npaired against {label!r} (mean per scored token; ± one standard error over the "
           f"{len(base['batch_tokens'])} window batches):\n")
-    print("| format | ln(PPL / PPL base) | PPL ratio | KLD − KLD base |\n|---|---:|---:|---:|")
+    print("| format | ln(PPL / PPL base) | PPL ratio | KLD − KLD base | entropy − entropy base (nats) |\n"
+          "|---|---:|---:|---:|---:|")
     for r in rows:
         if "batch_nll" not in r or r is base:
             continue
         d, e = paired_difference(r["batch_nll"], base["batch_nll"], r["batch_tokens"])
         k, ke = paired_difference(r["batch_kl"], base["batch_kl"], r["batch_tokens"])
-        print(f"| {r['format']} | {d:+.5f} ± {e:.5f} | {math.exp(d):.4f} | {k:+.5f} ± {ke:.5f} |")
+        h, he = paired_difference(r["batch_entropy"], base["batch_entropy"], r["batch_tokens"])
+        print(f"| {r['format']} | {d:+.5f} ± {e:.5f} | {math.exp(d):.4f} | {k:+.5f} ± {ke:.5f} "
+              f"| {h:+.4f} ± {he:.4f} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,22 +74,25 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 def _direct(plan, cand, ref=None) -> dict:
     """The statistics by a plain loop: each window alone through parity.score, float64 log-softmax."""
     nll, kl, agree = [], [], 0
-    ref_nll = []
+    ref_nll, ent, ref_ent = [], [], []
     for i, w in enumerate(plan.windows):
         rows = slice(plan.first, plan.first + plan.counts[i])
         t = torch.tensor(plan.targets(i))
         lq = score(cand, [w])[0][rows].double().log_softmax(-1)
         nll += (-lq[torch.arange(len(t)), t]).tolist()
+        ent += (-(lq.exp() * lq).sum(-1)).tolist()
         if ref is not None:
             lr = score(ref, [w])[0][rows].double().log_softmax(-1)
             ref_nll += (-lr[torch.arange(len(t)), t]).tolist()
             kl += (lr.exp() * (lr - lq)).sum(-1).tolist()
+            ref_ent += (-(lr.exp() * lr).sum(-1)).tolist()
             agree += int((lq.argmax(-1) == lr.argmax(-1)).sum())
-    out = {"tokens": len(nll), "ppl": math.exp(sum(nll) / len(nll))}
+    out = {"tokens": len(nll), "ppl": math.exp(sum(nll) / len(nll)), "entropy": sum(ent) / len(ent)}
     if ref is not None:
         k = torch.tensor(kl, dtype=torch.float64)
         out.update(ref_ppl=math.exp(sum(ref_nll) / len(ref_nll)), kld_mean=float(k.mean()),
-                   kld_p99=float(torch.quantile(k, 0.99)), top1_agreement=100 * agree / len(nll))
+                   kld_p99=float(torch.quantile(k, 0.99)), top1_agreement=100 * agree / len(nll),
+                   ref_entropy=sum(ref_ent) / len(ref_ent))
     return out
 
 
@@ -182,7 +185,8 @@ def test_ppl_equals_plain_loop(tiny, scoring, bos):
         got = evaluate([tiny], plan, batch=batch, progress=False)[0]
         assert got["tokens"] == want["tokens"] == plan.tokens
         assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-5)
-    assert 1 < want["ppl"] < math.inf
+        assert got["entropy"] == pytest.approx(want["entropy"], rel=1e-5)
+    assert 1 < want["ppl"] < math.inf and 0 < want["entropy"] < math.log(VOCAB)
 
 
 def test_kl_against_itself_is_zero(tiny):
@@ -190,6 +194,7 @@ def test_kl_against_itself_is_zero(tiny):
     r = evaluate([tiny], plan, tiny, batch=2, progress=False)[0]
     assert abs(r["kld_mean"]) < 1e-12 and abs(r["kld_p99"]) < 1e-12 and r["top1_agreement"] == 100.0
     assert r["delta_ppl"] == 0 and r["ref_ppl"] == r["ppl"]
+    assert r["entropy_delta"] == 0 and r["ref_entropy"] == r["entropy"] > 0
 
 
 def test_kl_against_perturbed_copy_matches_direct(tiny, perturbed):
@@ -202,6 +207,11 @@ def test_kl_against_perturbed_copy_matches_direct(tiny, perturbed):
     assert got["top1_agreement"] < 100
     assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-5)
     assert got["ref_ppl"] == pytest.approx(want["ref_ppl"], rel=1e-5)
+    assert got["entropy"] == pytest.approx(want["entropy"], rel=1e-5)
+    assert got["ref_entropy"] == pytest.approx(want["ref_entropy"], rel=1e-5)
+    assert abs(want["entropy"] - want["ref_entropy"]) > 1e-4  # the perturbation moves the entropy measurably
+    assert got["entropy_delta"] == pytest.approx(want["entropy"] - want["ref_entropy"], rel=1e-4)
+    assert 0 < got["entropy_delta_stderr"] < math.inf
     assert got["delta_ppl"] == pytest.approx(got["ppl"] - got["ref_ppl"])
     assert got["ln_ppl_ratio"] == pytest.approx(math.log(got["ppl"] / got["ref_ppl"]), rel=1e-9, abs=1e-12)
     assert 0 < got["ln_ppl_ratio_stderr"] < math.inf and sum(got["batch_tokens"]) == plan.tokens

@@ -105,7 +105,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
                    kv_dtype=kv_dtype)[0]
     if ref is None and not ns.no_reference:
         res.update(ref_ppl=res["ppl"], delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_median=0.0,
-                   kld_p99=0.0, kld_max=0.0, top1_agreement=100.0)
+                   kld_p99=0.0, kld_max=0.0, top1_agreement=100.0, ref_entropy=res["entropy"], entropy_delta=0.0)
     record = {
         "model": ns.model, "model_path": str(cand.resolved.path), "quantization": cand.quantization,
         "weights_storage": cand.weights_storage, "weight_MB": round(cand.weight_bytes / 1e6, 2),

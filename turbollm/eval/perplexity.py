@@ -17,7 +17,11 @@ what it sees), so the count is exactly ``min(max_tokens, available)``.
 Against a reference (llama.cpp's ``--kl-divergence``): per scored token, KL(P_ref || P_q) over
 the full vocabulary in float64 (log_softmax of both models' logits); we report its mean,
 median, 99th percentile and maximum, top-1 agreement (both argmaxes equal, %), and the
-perplexities of both on the same tokens. Both models run window by window in this process;
+perplexities of both on the same tokens. Every model's mean predictive entropy (nats per scored
+token) is reported too, and against a reference the difference: a positive ``entropy_delta``
+means the candidate's distributions are flatter than the reference's, a negative one sharper.
+Perplexity and KLD can disagree through it: where the reference is over-confident on the text,
+an error that flattens is partly rewarded by perplexity while KLD counts it as error. Both models run window by window in this process;
 only per-token scalars are kept, never the logits of more than one batch of windows.
 
 The forward pass is the plain flat prefill of `eval.parity` (fresh paged KV cache per batch of
@@ -183,12 +187,15 @@ class _Acc:
         self.batch_nll: list[float] = []  # NLL summed over each batch of windows (paired comparisons)
         self.batch_kl: list[float] = []
         self.batch_n: list[int] = []
+        self.ent = 0.0  # summed entropy of the predicted distributions (nats)
+        self.batch_ent: list[float] = []
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None = None) -> None:
-        nll0, kl0 = self.nll, self.kl_sum
+        nll0, kl0, ent0 = self.nll, self.kl_sum, self.ent
         self._add(logits, targets, ref)
         self.batch_nll.append(self.nll - nll0)
         self.batch_kl.append(self.kl_sum - kl0)
+        self.batch_ent.append(self.ent - ent0)
         self.batch_n.append(len(targets))
 
     def _add(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None) -> None:
@@ -199,6 +206,7 @@ class _Acc:
             self.nll += float(nll.sum())
             self.nll2 += float((nll * nll).sum())
             self.n += len(nll)
+            self.ent -= float((lpq.exp() * lpq).sum())
             if ref is not None:
                 lr = ref[s:s + ROW_CHUNK]
                 lpr = lr.double().log_softmax(-1)
@@ -275,13 +283,16 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
     for acc in accs:
         r = {"windows": len(plan.windows), "tokens": acc.n, "ppl": acc.ppl, "ppl_stderr": acc.ppl_stderr(),
              "seconds": round(seconds, 2), "tokens_per_s": round(acc.n / seconds, 2),
-             "batch_tokens": acc.batch_n, "batch_nll": acc.batch_nll}
+             "entropy": acc.ent / acc.n, "batch_tokens": acc.batch_n, "batch_nll": acc.batch_nll,
+             "batch_entropy": acc.batch_ent}
         if reference is not None:
             r.update(ref_ppl=ref_acc.ppl, delta_ppl=acc.ppl - ref_acc.ppl,
                      delta_ppl_pct=100.0 * (acc.ppl - ref_acc.ppl) / ref_acc.ppl, **_kl_summary(acc),
-                     batch_kl=acc.batch_kl)
+                     batch_kl=acc.batch_kl, ref_entropy=ref_acc.ent / ref_acc.n)
             r["ln_ppl_ratio"], r["ln_ppl_ratio_stderr"] = paired_difference(acc.batch_nll, ref_acc.batch_nll,
                                                                             acc.batch_n)
+            r["entropy_delta"], r["entropy_delta_stderr"] = paired_difference(acc.batch_ent, ref_acc.batch_ent,
+                                                                              acc.batch_n)
         out.append(r)
     return out
 
