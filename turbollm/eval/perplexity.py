@@ -21,8 +21,9 @@ perplexities of both on the same tokens. Every model's mean predictive entropy (
 token) is reported too, and against a reference the difference: a positive ``entropy_delta``
 means the candidate's distributions are flatter than the reference's, a negative one sharper.
 Perplexity and KLD can disagree through it: where the reference is over-confident on the text,
-an error that flattens is partly rewarded by perplexity while KLD counts it as error. Both models run window by window in this process;
-only per-token scalars are kept, never the logits of more than one batch of windows.
+an error that flattens is partly rewarded by perplexity while KLD counts it as error.
+Both models run window by window in this process; only per-token scalars are kept, never the
+logits of more than one batch of windows.
 
 The forward pass is the plain flat prefill of `eval.parity` (fresh paged KV cache per batch of
 windows, no scheduler, no sampler), so it is the same code path the engine's prefill runs.
