@@ -62,3 +62,58 @@ def test_second_builder_waits_for_the_first(tmp_path):
         order.append("first")
     worker.join(timeout=30)
     assert order == ["first", "second"]
+
+
+def _sources(folder, text="int f() { return 1; }\n"):
+    folder.mkdir(parents=True)
+    (folder / "a.cpp").write_text(text)
+    (folder / "b.h").write_text("#pragma once\n")
+    return [folder / "a.cpp", folder / "b.h"]
+
+
+def test_build_key_follows_content_not_location(tmp_path):
+    """Two checkouts of the same sources share a build; a changed byte or flag gets its own."""
+    from turbollm.kernels import build_key
+
+    one, two = _sources(tmp_path / "one"), _sources(tmp_path / "two")
+    assert build_key(one, ["-O3"]) == build_key(two, ["-O3"])
+    assert build_key(one, ["-O3"]) != build_key(one, ["-O2"])
+    (two[1]).write_text("#pragma once\n// changed\n")
+    assert build_key(one, ["-O3"]) != build_key(two, ["-O3"])
+
+
+def test_stage_sources_copies_and_refreshes(tmp_path):
+    from turbollm.kernels import stage_sources
+
+    files = _sources(tmp_path / "checkout")
+    build = tmp_path / "build"
+    build.mkdir()
+    staged = stage_sources(files, build)
+    assert [p.name for p in staged] == ["a.cpp", "b.h"]
+    assert all(p.parent == build / "src" and p.read_bytes() == f.read_bytes() for p, f in zip(staged, files))
+    stamp = staged[1].stat().st_mtime_ns
+    files[0].write_text("int f() { return 2; }\n")
+    time.sleep(0.01)
+    stage_sources(files, build)
+    assert staged[0].read_text() == "int f() { return 2; }\n"
+    assert staged[1].stat().st_mtime_ns == stamp  # unchanged files are not rewritten (no rebuild)
+
+
+def test_prune_keeps_recent_builds_and_skips_busy_ones(tmp_path):
+    import os
+
+    from turbollm.kernels import prune_builds
+
+    folders = []
+    for i in range(5):
+        with locked_build_dir(f"mod-{i:016x}", root=tmp_path) as folder:
+            folders.append(folder)
+        os.utime(folder / ".turbollm-build.lock", (1000 + i, 1000 + i))
+    (tmp_path / "mod").mkdir()  # a folder from before builds were keyed
+    (tmp_path / "other-0").mkdir()
+    with locked_build_dir("mod-0000000000000000", root=tmp_path) as busy:  # in use, though oldest
+        os.utime(busy / ".turbollm-build.lock", (1000, 1000))
+        removed = prune_builds("mod", tmp_path, keep=2)
+    assert sorted(removed) == sorted([folders[1], folders[2], tmp_path / "mod"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mod-0000000000000000", "mod-0000000000000003", "mod-0000000000000004", "other-0"]

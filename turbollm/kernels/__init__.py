@@ -9,18 +9,26 @@ beside each kernel, and one log line says so. ``-ffp-contract=off`` keeps the de
 multiply-then-add bit-exact with the PyTorch decoders (the other kernels write their FMAs as
 intrinsics).
 
-Builds land in ``~/.cache/turbollm/kernels/<module>`` (``TURBOLLM_KERNEL_CACHE`` moves it), so
-only the first process pays the ~2-3 minutes of compilation. Concurrent processes serialise on an
-``flock`` that the OS drops when its holder dies; torch's own ``lock`` file in the build folder
-(which a killed build leaves behind and which would make every later build wait forever) is
-removed under that lock before building.
+Builds land in ``~/.cache/turbollm/kernels/<module>-<key>`` (``TURBOLLM_KERNEL_CACHE`` moves the
+root), the key a hash of the sources' names and bytes, the flags, and the torch and Python versions.
+The sources are copied into that folder and compiled from there, so two checkouts of the same code
+(a clean clone for CI beside the working one) share one build instead of each recompiling for its
+own paths, and a checkout with other sources never overwrites a module another process has loaded.
+Only the first process for a given key pays the ~2-3 minutes of compilation; the `KEEP_BUILDS` most
+recently used folders are kept. Concurrent processes serialise on an ``flock`` that the OS drops
+when its holder dies; torch's own ``lock`` file in the build folder (which a killed build leaves
+behind and which would make every later build wait forever) is removed under that lock before
+building.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -28,6 +36,7 @@ logger = logging.getLogger("turbollm")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 CSRC = Path(__file__).parent / "csrc"
+KEEP_BUILDS = 3
 
 
 def kernel_cache_root() -> Path:
@@ -60,16 +69,70 @@ def locked_build_dir(name: str, root: Path | None = None):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build(name: str, sources: list[str], cflags: list[str], what: str):
+def build_key(files: list[Path], cflags: list[str]) -> str:
+    """16 hex digits naming a build: the files' names and bytes, the flags, torch's and Python's versions."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        data = path.read_bytes()
+        digest.update(f"{path.name}\0{len(data)}\0".encode())
+        digest.update(data)
+    digest.update("\0".join([*cflags, torch.__version__, sys.version]).encode())
+    return digest.hexdigest()[:16]
+
+
+def stage_sources(files: list[Path], build_dir: Path) -> list[Path]:
+    """Copy `files` into ``build_dir/src`` (rewriting only what differs); the copies, in order."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    staged = []
+    for path in files:
+        target = src / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            target.write_bytes(data)
+        staged.append(target)
+    return staged
+
+
+def prune_builds(name: str, root: Path, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove all but the `keep` most recently used ``name-*`` build folders (and a pre-key ``name``
+    folder), skipping any whose build lock another process holds; the folders removed."""
+    import fcntl
+
+    folders = [p for p in root.glob(f"{name}-*") if p.is_dir()]
+    folders.sort(key=lambda p: (p / ".turbollm-build.lock").stat().st_mtime
+                 if (p / ".turbollm-build.lock").exists() else p.stat().st_mtime, reverse=True)
+    stale = folders[keep:] + [p for p in [root / name] if p.is_dir()]
+    removed = []
+    for folder in stale:
+        with open(folder / ".turbollm-build.lock", "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # in use by a build right now
+            shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _build(name: str, sources: list[Path], cflags: list[str], what: str):
     """Compile (or load the cached) extension `name`; None, with one warning, when that fails."""
     if os.environ.get("TURBOLLM_NO_KERNELS") == "1":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        with locked_build_dir(name) as build_dir:
-            return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                        build_directory=str(build_dir), verbose=False)
+        headers = sorted({p for s in sources for p in s.parent.glob("*.h")})
+        key = build_key([*sources, *headers], cflags)
+        with locked_build_dir(f"{name}-{key}") as build_dir:
+            (build_dir / ".turbollm-build.lock").touch()  # marks it used now, for `prune_builds`
+            staged = stage_sources([*sources, *headers], build_dir)[:len(sources)]
+            module = load(name=name, sources=[str(p) for p in staged], extra_cflags=cflags,
+                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        prune_builds(name, kernel_cache_root())
+        return module
     except Exception as e:  # compiler missing, ninja missing, build error, unwritable cache
         logger.warning("turbollm: %s unavailable (%s); using the PyTorch reference paths",
                        what, str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -80,7 +143,7 @@ def get_kernels():
     """The compiled kernel module, or None (reference paths are used instead)."""
     with _lock:
         if "module" not in _state:
-            _state["module"] = _build("turbollm_kernels", [str(p) for p in sorted(CSRC.glob("*.cpp"))],
+            _state["module"] = _build("turbollm_kernels", sorted(CSRC.glob("*.cpp")),
                                       ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], "C++ kernels")
         return _state["module"]
 
