@@ -47,7 +47,7 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
     clip = p.add_mutually_exclusive_group()
     clip.add_argument("--awq-clip", dest="awq_clip", action="store_const", const=True, default=None,
                       help="awq: also search a clipping ratio per weight group (off by default: it helped "
-                           "smollm2-135m a little and hurt qwen2.5-coder-0.5b badly; see docs/QUANTIZATION.md)")
+                           "smollm2-135m a little and hurt qwen2.5-coder-0.5b badly; see docs/AWQ_QWEN.md)")
     clip.add_argument("--awq-no-clip", dest="awq_clip", action="store_const", const=False,
                       help="awq: keep each group's full range (the default)")
     p.add_argument("--no-equalize", dest="equalize", action="store_const", const=False, default=None,

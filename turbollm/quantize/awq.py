@@ -19,7 +19,7 @@ relative rounding error of the scaled-up columns. Per linear group:
   (with GQA one V channel's scale serves the o_proj columns of `group` query heads).
   On qwen2.5-coder-0.5b (32k tokens, no clipping) this family and objective took AWQ from +17.6%
   to +15.4% perplexity (round-to-nearest: +14.15%) at a lower KLD (0.124 vs 0.129); on 131k
-  tokens it is +15.6% vs +14.6% and 0.126 vs 0.132 (docs/QUANTIZATION.md).
+  tokens it is +15.6% vs +14.6% and 0.126 vs 0.132 (docs/AWQ_QWEN.md).
 - ``diag(s)⁻¹`` is folded into whatever produces x, so inference costs nothing:
   attention input → the preceding RMSNorm's weight (Q/K/V share it), the MLP input → its
   RMSNorm (gate/up share it), o_proj's input → the rows of V (attention is linear in V;
@@ -30,7 +30,7 @@ relative rounding error of the scaled-up columns. Per linear group:
 - Weight clipping, optional (``clip=True``, ``--awq-clip``; off by default): per (row, group), the
   range is shrunk by r ∈ {1, 0.95, …, 0.55}, keeping the r of least output error of that group
   (block-diagonal part of XᵀX). Q and K rows are not clipped (attention logits are sensitive to
-  them), as in the paper's released code. Measured with this objective (docs/QUANTIZATION.md):
+  them), as in the paper's released code. Measured with this objective (docs/AWQ_QWEN.md):
   on qwen2.5-coder-0.5b it took perplexity from +14.3% to +31.4% and KLD from 0.124 to 0.163; on
   smollm2-135m (g64) it helped a little (+19.6% → +18.2%). Hence off unless asked for.
 
@@ -40,7 +40,7 @@ terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from
 searches affordable on a CPU; the attention branch's output error on every token of those
 batches (whole sequences). At the default 2,048 tokens that is one batch, the first (8 windows
 of 512), i.e. the start of the calibration corpus. Which windows they are moves
-qwen2.5-coder-0.5b's perplexity by several points (docs/QUANTIZATION.md, "Which calibration
+qwen2.5-coder-0.5b's perplexity by several points (docs/AWQ_QWEN.md, "Which calibration
 windows"). Linear errors use ``XᵀX`` when it is smaller than X.
 """
 

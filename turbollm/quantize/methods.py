@@ -93,7 +93,7 @@ class QuantizeOptions:
     @property
     def clip(self) -> bool:
         """AWQ's weight-clipping search: off unless asked for (it raised qwen2.5-coder-0.5b's
-        perplexity from +14.3% to +31.4%, docs/QUANTIZATION.md)."""
+        perplexity from +14.3% to +31.4%, docs/AWQ_QWEN.md)."""
         return bool(self.awq_clip)
 
     @property
