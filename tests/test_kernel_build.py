@@ -82,6 +82,18 @@ def test_build_key_follows_content_not_location(tmp_path):
     assert build_key(one, ["-O3"]) != build_key(two, ["-O3"])
 
 
+def test_build_key_separates_torch_installs(tmp_path, monkeypatch):
+    """torch's include and library paths are in every compile command: another venv, another build."""
+    import torch
+
+    from turbollm.kernels import build_key
+
+    files = _sources(tmp_path / "src")
+    here = build_key(files, ["-O3"])
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert build_key(files, ["-O3"]) != here
+
+
 def test_stage_sources_copies_and_refreshes(tmp_path):
     from turbollm.kernels import stage_sources
 

@@ -10,12 +10,14 @@ multiply-then-add bit-exact with the PyTorch decoders (the other kernels write t
 intrinsics).
 
 Builds land in ``~/.cache/turbollm/kernels/<module>-<key>`` (``TURBOLLM_KERNEL_CACHE`` moves the
-root), the key a hash of the sources' names and bytes, the flags, and the torch and Python versions.
-The sources are copied into that folder and compiled from there, so two checkouts of the same code
-(a clean clone for CI beside the working one) share one build instead of each recompiling for its
-own paths, and a checkout with other sources never overwrites a module another process has loaded.
-Only the first process for a given key pays the ~2-3 minutes of compilation; the `KEEP_BUILDS` most
-recently used folders are kept. Concurrent processes serialise on an ``flock`` that the OS drops
+root), the key a hash of the sources' names and bytes, the flags, the torch and Python versions and
+where torch is installed (torch's header and library paths are part of every compile and link
+command, so each environment needs its own build). The sources are copied into that folder and
+compiled from there: checkouts of the same code under one environment share a build, a working
+checkout and a clean clone with its own venv (CI) each keep theirs instead of recompiling each other's
+every time they alternate, and a checkout with other sources never overwrites a module another
+process has loaded. Only the first process for a given key pays the ~2-3 minutes of compilation;
+the `KEEP_BUILDS` most recently used folders are kept. Concurrent processes serialise on an ``flock`` that the OS drops
 when its holder dies; torch's own ``lock`` file in the build folder (which a killed build leaves
 behind and which would make every later build wait forever) is removed under that lock before
 building.
@@ -36,7 +38,7 @@ logger = logging.getLogger("turbollm")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 CSRC = Path(__file__).parent / "csrc"
-KEEP_BUILDS = 3
+KEEP_BUILDS = 4
 
 
 def kernel_cache_root() -> Path:
@@ -70,7 +72,8 @@ def locked_build_dir(name: str, root: Path | None = None):
 
 
 def build_key(files: list[Path], cflags: list[str]) -> str:
-    """16 hex digits naming a build: the files' names and bytes, the flags, torch's and Python's versions."""
+    """16 hex digits naming a build: the files' names and bytes, the flags, torch's version and install
+    folder, Python's version."""
     import torch
 
     digest = hashlib.sha256()
@@ -78,7 +81,8 @@ def build_key(files: list[Path], cflags: list[str]) -> str:
         data = path.read_bytes()
         digest.update(f"{path.name}\0{len(data)}\0".encode())
         digest.update(data)
-    digest.update("\0".join([*cflags, torch.__version__, sys.version]).encode())
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    digest.update("\0".join([*cflags, torch.__version__, torch_dir, sys.version]).encode())
     return digest.hexdigest()[:16]
 
 
