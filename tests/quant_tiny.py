@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 VOCAB = 384
@@ -101,3 +102,23 @@ def exact_quantized_matmul(monkeypatch):
     monkeypatch.delenv("TURBOLLM_QMATMUL", raising=False)
     if setter is not None:
         setter(None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_exact_matmul(monkeypatch):
+    """Autouse in every test module that imports it: one torch thread, and quantized matmuls on
+    the exact dequantize path (the q8 path rounds activations)."""
+    torch.set_num_threads(1)
+    yield from exact_quantized_matmul(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """``tiny(arch)``: the tiny checkpoint folder of `arch`, built once per test module (`build_tiny`)."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return cache[arch]
+    return get

@@ -14,30 +14,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from quant_tiny import build_tiny, calibration_text, exact_quantized_matmul, token_windows  # noqa: E402
+from quant_tiny import calibration_text, token_windows  # noqa: E402
+from quant_tiny import one_thread_exact_matmul, tiny  # noqa: E402,F401 (fixtures)
 from turbollm.eval.branch_error import branch_errors, summarize  # noqa: E402
 from turbollm.eval.perplexity import EvalError  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.quantize.layer_runner import fold_scales, get_adapter  # noqa: E402
 
 WINDOWS = token_windows(4, 40)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_exact_matmul(monkeypatch):
-    torch.set_num_threads(1)
-    yield from exact_quantized_matmul(monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
-        return cache[arch]
-    return get
 
 
 def _pair(folder, candidate="none"):

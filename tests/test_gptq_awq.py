@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("transformers")
 
 from gguf import GGMLQuantizationType, quants  # noqa: E402
-from quant_tiny import build_tiny, calibration_text, exact_quantized_matmul, token_windows  # noqa: E402
+from quant_tiny import calibration_text, token_windows  # noqa: E402
+from quant_tiny import one_thread_exact_matmul, tiny  # noqa: E402,F401 (fixtures)
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
@@ -43,24 +44,6 @@ from turbollm.quantize.rtn import rtn_decoder  # noqa: E402
 
 WINDOWS = token_windows(8, 48)
 Q8_0 = int(GGMLQuantizationType.Q8_0)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_exact_matmul(monkeypatch):
-    """One thread; quantized matmuls on the exact dequantize path (the q8 path rounds activations)."""
-    torch.set_num_threads(1)
-    yield from exact_quantized_matmul(monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache = {}
-
-    def get(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
-        return cache[arch]
-    return get
 
 
 def _linears(model):
