@@ -20,7 +20,8 @@ blocks returned) as soon as the stream is left early: `break` (the stream is dro
 are raised to that caller only. An exception in `step()` fails the requests in flight with
 `EngineStepError`, after aborting them; the worker keeps serving unless the engine still
 holds requests it could not abort, in which case it stops and every later call raises
-`EngineDeadError`.
+`EngineDeadError`. The caller's side (the stream, its mailbox, the commands) is in
+`request_stream.py`.
 """
 
 from __future__ import annotations
@@ -31,20 +32,17 @@ import logging
 import queue
 import threading
 import uuid
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.entrypoints.request_stream import (AbortCommand, AddCommand, Mailbox, PromptType, RequestStream,
+                                                 ShutdownCommand)
 from turbollm.errors import InvalidRequestError
 from turbollm.outputs import CompletionOutput, RequestOutput
 from turbollm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | dict[str, Any] | list[int]
-
 
 class EngineDeadError(RuntimeError):
     """The async engine is shut down (or its worker stopped after an unrecoverable error)."""
@@ -52,134 +50,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """`LLMEngine.step()` raised while this request was in flight; `__cause__` is the original error."""
-
-
-# ------------------------------------------------------------------ worker commands
-@dataclass
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams | None
-    sink: "_Sink"
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Shutdown:
-    drain: bool  # True: finish what is in flight; False: abort it
-
-
-class _Sink:
-    """One request's mailbox: filled by the worker (through the caller's loop), read by its stream.
-
-    Outputs are cumulative, so an output not yet read is replaced by a newer one: a slow
-    reader gets fewer, fuller outputs and the mailbox never grows with the generation.
-    """
-
-    __slots__ = ("loop", "items", "ready", "last")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.items: deque[RequestOutput | BaseException] = deque()
-        self.ready = asyncio.Event()
-        self.last: RequestOutput | None = None  # worker side: the latest output posted
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """From the worker thread."""
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
-
-    def _deliver(self, item: RequestOutput | BaseException) -> None:
-        items = self.items
-        if (items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput)
-                and not items[-1].finished):
-            items[-1] = item
-        else:
-            items.append(item)
-        self.ready.set()
-
-    async def get(self) -> RequestOutput | BaseException:
-        while not self.items:
-            self.ready.clear()
-            await self.ready.wait()
-        return self.items.popleft()
-
-
-# ------------------------------------------------------------------ the stream a caller iterates
-class RequestStream:
-    """Async iterator of one request's RequestOutputs (cumulative), ending after the finished one.
-
-    Submitted on the first `__anext__`; leaving it early aborts the request.
-    """
-
-    def __init__(self, owner: "AsyncLLMEngine", request_id: str, prompt: PromptType,
-                 params: SamplingParams | None):
-        self._owner = owner
-        self.request_id = request_id
-        self._prompt = prompt
-        self._params = params
-        self._sink: _Sink | None = None
-        self._done = False
-        self._registered = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        if self._sink is None:
-            self._sink = _Sink(asyncio.get_running_loop())
-            try:
-                self._owner._submit(self)
-            except BaseException:
-                self._done = True
-                raise
-            self._registered = True
-        try:
-            item = await self._sink.get()
-        except BaseException:  # cancelled (client gone, timeout): give the blocks back
-            self._close(abort=True)
-            raise
-        if isinstance(item, BaseException):
-            self._close(abort=False)
-            raise item
-        if item.finished:
-            self._close(abort=False)
-        return item
-
-    async def aclose(self) -> None:
-        """Stop listening; aborts the request if it has not finished."""
-        self._close(abort=True)
-
-    def abort(self) -> None:
-        self._close(abort=True)
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def _close(self, abort: bool) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._registered:
-            self._registered = False
-            if abort:
-                self._owner._enqueue(_Abort(self.request_id))
-            self._owner._active.discard(self.request_id)
-
-    def __del__(self) -> None:  # `break` out of `async for` drops the stream: abort at once
-        try:
-            self._close(abort=True)
-        except Exception:
-            pass
 
 
 # ------------------------------------------------------------------ the engine wrapper
@@ -197,7 +67,7 @@ class AsyncLLMEngine:
         self._closed = False  # no new requests (shutdown called or the worker died)
         self._dead_reason: str | None = None
         self._active: set[str] = set()  # request ids with a live stream (caller side)
-        self._sinks: dict[str, _Sink] = {}  # worker side
+        self._sinks: dict[str, Mailbox] = {}  # worker side
         self._draining = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -241,7 +111,7 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a finished output whose finish_reason is "abort"."""
-        self._enqueue(_Abort(request_id))
+        self._enqueue(AbortCommand(request_id))
 
     async def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the worker: abort what is in flight (or, with `drain`, let it finish) and wait for it."""
@@ -273,13 +143,13 @@ class AsyncLLMEngine:
             if stream.request_id in self._active:
                 raise InvalidRequestError(f"request id {stream.request_id!r} is already in use")
             self._active.add(stream.request_id)
-            self._cmds.put(_Add(stream.request_id, stream._prompt, stream._params, stream._sink))
+            self._cmds.put(AddCommand(stream.request_id, stream._prompt, stream._params, stream._sink))
 
     def _request_shutdown(self, drain: bool) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._cmds.put(_Shutdown(drain))
+                self._cmds.put(ShutdownCommand(drain))
 
     # ---------------------------------------------------------------- worker side
     def _run(self) -> None:
@@ -308,7 +178,7 @@ class AsyncLLMEngine:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, _Add):
+                if isinstance(cmd, AddCommand):
                     cmd.sink.put(EngineDeadError(reason))
 
     def _serve(self) -> None:
@@ -330,7 +200,7 @@ class AsyncLLMEngine:
 
     def _handle(self, cmd: Any) -> bool:
         """Apply one command; True to stop the worker now."""
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, AddCommand):
             if self._draining:
                 cmd.sink.put(EngineDeadError("the async engine is shutting down"))
                 return False
@@ -340,16 +210,16 @@ class AsyncLLMEngine:
                 cmd.sink.put(e)
                 return False
             self._sinks[cmd.request_id] = cmd.sink
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, AbortCommand):
             sink = self._sinks.pop(cmd.request_id, None)
             if sink is not None:  # else finished already, or never ours
                 info = self._request_info(cmd.request_id)
                 self._abort_in_engine(cmd.request_id)
                 sink.put(_aborted(sink.last, cmd.request_id, info))
-        elif isinstance(cmd, _Shutdown):
+        elif isinstance(cmd, ShutdownCommand):
             if not cmd.drain:
                 for rid in list(self._sinks):
-                    self._handle(_Abort(rid))
+                    self._handle(AbortCommand(rid))
                 return True
             self._draining = True
         return False
