@@ -90,26 +90,18 @@ def token_windows(samples: int, seq_len: int, seed: int = 11) -> torch.Tensor:
     return torch.randint(4, VOCAB, (samples, seq_len), generator=g)
 
 
-def exact_quantized_matmul(monkeypatch):
-    """Generator for a fixture: quantized matmuls take the exact dequantize + fp32 path meanwhile."""
-    from turbollm.kernels import quant
-
-    monkeypatch.setenv("TURBOLLM_QMATMUL", "dequant")
-    setter = getattr(quant, "set_default_path", None)
-    if setter is not None:
-        setter("dequant")
-    yield
-    monkeypatch.delenv("TURBOLLM_QMATMUL", raising=False)
-    if setter is not None:
-        setter(None)
-
-
 @pytest.fixture(autouse=True)
 def one_thread_exact_matmul(monkeypatch):
     """Autouse in every test module that imports it: one torch thread, and quantized matmuls on
-    the exact dequantize path (the q8 path rounds activations)."""
+    the exact dequantize + fp32 path (the q8 path rounds activations)."""
+    from turbollm.kernels import quant
+
     torch.set_num_threads(1)
-    yield from exact_quantized_matmul(monkeypatch)
+    monkeypatch.setenv("TURBOLLM_QMATMUL", "dequant")
+    quant.set_default_path("dequant")
+    yield
+    monkeypatch.delenv("TURBOLLM_QMATMUL", raising=False)
+    quant.set_default_path(None)
 
 
 @pytest.fixture(scope="module")

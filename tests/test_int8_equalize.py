@@ -21,7 +21,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from quant_tiny import build_tiny, exact_quantized_matmul, token_windows  # noqa: E402
+from quant_tiny import build_tiny, token_windows  # noqa: E402
+from quant_tiny import one_thread_exact_matmul  # noqa: E402,F401 (autouse fixture)
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
@@ -33,12 +34,6 @@ from turbollm.quantize.layer_runner import get_adapter  # noqa: E402
 from turbollm.quantization.group_quant import int8_per_channel  # noqa: E402
 
 WINDOWS = token_windows(3, 40)
-
-
-@pytest.fixture(autouse=True)
-def _exact_matmul(monkeypatch):
-    torch.set_num_threads(1)
-    yield from exact_quantized_matmul(monkeypatch)
 
 
 def _logits(loaded) -> torch.Tensor:

@@ -27,7 +27,8 @@ pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from quant_tiny import build_tiny, calibration_text, exact_quantized_matmul, token_windows  # noqa: E402
+from quant_tiny import build_tiny, calibration_text, token_windows  # noqa: E402
+from quant_tiny import one_thread_exact_matmul  # noqa: E402,F401 (autouse fixture)
 from turbollm.errors import InvalidRequestError, ModelFormatError, WeightLoadError  # noqa: E402
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
@@ -41,13 +42,6 @@ from turbollm.quantization.packing import (pack_3bit, pack_awq, pack_int32, pack
                                            unpack_awq, unpack_int32, unpack_nibbles)
 from turbollm.quantize.methods import QuantizeOptions  # noqa: E402
 from turbollm.quantize.runner import run_quantize  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_exact_matmul(monkeypatch):
-    """One thread; quantized matmuls on the exact dequantize path (the q8 path rounds activations)."""
-    torch.set_num_threads(1)
-    yield from exact_quantized_matmul(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -43,21 +43,16 @@ def eval_branches(ns: argparse.Namespace) -> dict:
 
     from turbollm.benchmarks.report import write_json
     from turbollm.eval.branch_error import branch_errors, summarize
-    from turbollm.eval.perplexity import EvalError
+    from turbollm.cli.eval_ppl_cmd import check_same_tokens, set_eval_threads
     from turbollm.loader import load_model
     from turbollm.quantize.calibration import build_calibration
 
-    if ns.threads is not None:
-        if ns.threads < 1:
-            raise EvalError(f"--threads must be >= 1, got {ns.threads}")
-        torch.set_num_threads(ns.threads)
+    set_eval_threads(ns.threads)
     ref = load_model(ns.model, quantization=ns.reference)
     windows = build_calibration(ref.tokenizer, ns.samples, ns.seq_len, ns.data).windows
     as_folder = Path(ns.candidate).is_dir()
     cand = load_model(ns.candidate) if as_folder else load_model(ns.model, quantization=ns.candidate)
-    probe = ref.tokenizer.decode(windows[0, :256].tolist())
-    if cand.tokenizer.encode(probe, add_special_tokens=False) != ref.tokenizer.encode(probe, add_special_tokens=False):
-        raise EvalError(f"{ns.candidate} and {ns.model} tokenize the text differently: not the same model")
+    check_same_tokens(cand, ref, ref.tokenizer.decode(windows[0].tolist()))
     print(f"reference {ns.model} ({ref.quantization}), candidate {ns.candidate} ({cand.quantization}); "
           f"{windows.shape[0]} windows of {windows.shape[1]} tokens")
     errors = branch_errors(ref.model, cand.model, windows, progress=not ns.no_progress)

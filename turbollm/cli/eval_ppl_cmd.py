@@ -56,7 +56,20 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_ppl_cmd)
 
 
-def _check_same_tokens(cand, ref, text: str) -> None:
+def set_eval_threads(threads: int | None) -> None:
+    """Apply an eval command's ``--threads`` (None: torch's default, all cores)."""
+    import torch
+
+    from turbollm.eval.perplexity import EvalError
+
+    if threads is not None:
+        if threads < 1:
+            raise EvalError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def check_same_tokens(cand, ref, text: str) -> None:
+    """EvalError unless the candidate's and the reference's tokenizers agree on (the start of) `text`."""
     from turbollm.eval.perplexity import EvalError
 
     sample = text[:20000]
@@ -70,16 +83,13 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     import torch
 
     from turbollm.benchmarks.report import print_block, write_json
-    from turbollm.eval.perplexity import (SCORING, EvalError, check_window_args, default_data_path, evaluate, load_text,
+    from turbollm.eval.perplexity import (SCORING, check_window_args, default_data_path, evaluate, load_text,
                                           plan_windows, qmatmul_mode, tokenize_text)
     from turbollm.hub.resolve import resolve_model
     from turbollm.loader import load_model
 
     check_window_args(ns.ctx, ns.score, ns.max_tokens, ns.batch)
-    if ns.threads is not None:
-        if ns.threads < 1:
-            raise EvalError(f"--threads must be >= 1, got {ns.threads}")
-        torch.set_num_threads(ns.threads)
+    set_eval_threads(ns.threads)
     data = ns.data or str(default_data_path())
     text = load_text(data)
     with qmatmul_mode(ns.qmatmul):
@@ -98,7 +108,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         ref = load_model(ref_model, quantization=ns.reference)
         print(f"reference {ref_model} ({ns.reference}) loaded in {time.perf_counter() - t0:.1f} s")
-        _check_same_tokens(cand, ref, text)
+        check_same_tokens(cand, ref, text)
     print(f"{plan.text_tokens} text tokens -> {len(plan.windows)} windows of {ns.ctx} "
           f"({'BOS + ' if plan.bos else ''}text), {plan.tokens} scored ({ns.score})")
     res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress,

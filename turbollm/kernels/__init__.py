@@ -39,6 +39,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 CSRC = Path(__file__).parent / "csrc"
 KEEP_BUILDS = 4
+BUILD_LOCK = ".turbollm-build.lock"  # in each build folder: the flock, and its mtime = last used
 
 
 def kernel_cache_root() -> Path:
@@ -51,6 +52,7 @@ def kernel_cache_root() -> Path:
 def locked_build_dir(name: str, root: Path | None = None):
     """Yield ``root/name`` while holding an exclusive flock on it, stale torch baton removed.
 
+    Taking it marks the folder as used now (the lock file's mtime, which `prune_builds` reads).
     The flock is released by the kernel when the holding process exits, killed or not, so a
     crashed build never blocks the next one. While we hold it no other turbollm process is in
     torch's build for this folder, so a leftover ``lock`` file there can only be stale.
@@ -59,8 +61,9 @@ def locked_build_dir(name: str, root: Path | None = None):
 
     build_dir = (root or kernel_cache_root()) / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / ".turbollm-build.lock", "w") as handle:
+    with open(build_dir / BUILD_LOCK, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
+        os.utime(handle.fileno())
         try:
             baton = build_dir / "lock"
             if baton.exists():
@@ -106,12 +109,11 @@ def prune_builds(name: str, root: Path, keep: int = KEEP_BUILDS) -> list[Path]:
     import fcntl
 
     folders = [p for p in root.glob(f"{name}-*") if p.is_dir()]
-    folders.sort(key=lambda p: (p / ".turbollm-build.lock").stat().st_mtime
-                 if (p / ".turbollm-build.lock").exists() else p.stat().st_mtime, reverse=True)
+    folders.sort(key=lambda p: (p / BUILD_LOCK if (p / BUILD_LOCK).exists() else p).stat().st_mtime, reverse=True)
     stale = folders[keep:] + [p for p in [root / name] if p.is_dir()]
     removed = []
     for folder in stale:
-        with open(folder / ".turbollm-build.lock", "a") as handle:
+        with open(folder / BUILD_LOCK, "a") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -121,17 +123,16 @@ def prune_builds(name: str, root: Path, keep: int = KEEP_BUILDS) -> list[Path]:
     return removed
 
 
-def _build(name: str, sources: list[Path], cflags: list[str], what: str):
-    """Compile (or load the cached) extension `name`; None, with one warning, when that fails."""
+def _build(name: str, sources: list[Path], headers: list[Path], cflags: list[str], what: str):
+    """Compile (or load the cached) extension `name` from `sources` (which include `headers`); None,
+    with one warning, when that fails."""
     if os.environ.get("TURBOLLM_NO_KERNELS") == "1":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        headers = sorted({p for s in sources for p in s.parent.glob("*.h")})
         key = build_key([*sources, *headers], cflags)
         with locked_build_dir(f"{name}-{key}") as build_dir:
-            (build_dir / ".turbollm-build.lock").touch()  # marks it used now, for `prune_builds`
             staged = stage_sources([*sources, *headers], build_dir)[:len(sources)]
             module = load(name=name, sources=[str(p) for p in staged], extra_cflags=cflags,
                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
@@ -150,7 +151,7 @@ def get_kernels():
     """The compiled kernel module, or None (reference paths are used instead)."""
     with _lock:
         if "module" not in _state:
-            _state["module"] = _build("turbollm_kernels", sorted(CSRC.glob("*.cpp")),
+            _state["module"] = _build("turbollm_kernels", sorted(CSRC.glob("*.cpp")), sorted(CSRC.glob("*.h")),
                                       ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], "C++ kernels")
         return _state["module"]
 
