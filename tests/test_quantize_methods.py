@@ -359,6 +359,9 @@ def test_bad_quantization_config(int4_folder, tmp_path, edit, match):
     (dict(method="gguf", gguf_type="Q4_K_M", bits=4), "--method gguf takes --type, not --bits"),
     (dict(method="gguf", gguf_type="Q4_K_M", awq_clip=False), "--method gguf takes --type, not --awq-no-clip"),
     (dict(method="gptq", gguf_type="Q4_0"), "--type applies to --method gguf only"),
+    (dict(method="int4", logit_scale=True), "--fit-logit-scale applies to --method gptq or awq only"),
+    (dict(method="int8", logit_scale=False), "--no-fit-logit-scale applies to --method gptq or awq only"),
+    (dict(method="gguf", gguf_type="Q8_0", logit_scale=True), "--method gguf takes --type, not --fit-logit-scale"),
     (dict(method="int2"), "--method 'int2' is not one of"),
     (dict(method="gptq", group_size=128), "--group-size 128 does not divide the input width 64"),
     (dict(method="gptq", group_size=32, calib_samples=1000, calib_seq_len=64), "calibration set too small"),
@@ -408,3 +411,18 @@ def test_awq_clip_flags():
     with pytest.raises(SystemExit):
         parse(base + ["--awq-clip", "--awq-no-clip"])
     assert not QuantizeOptions("m", "awq", "o").clip and QuantizeOptions("m", "awq", "o", awq_clip=True).clip
+
+
+def test_logit_scale_flags():
+    """The logit-scale fit is AWQ's default and GPTQ's option; either flag overrides; not both."""
+    from turbollm.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    base = ["quantize", "m", "--method", "gptq", "--out", "o"]
+    assert parse(base).logit_scale is None and parse(base + ["--fit-logit-scale"]).logit_scale is True
+    assert parse(base + ["--no-fit-logit-scale"]).logit_scale is False
+    with pytest.raises(SystemExit):
+        parse(base + ["--fit-logit-scale", "--no-fit-logit-scale"])
+    assert QuantizeOptions("m", "awq", "o").fit_logit_scale and not QuantizeOptions("m", "gptq", "o").fit_logit_scale
+    assert not QuantizeOptions("m", "awq", "o", logit_scale=False).fit_logit_scale
+    assert QuantizeOptions("m", "gptq", "o", logit_scale=True).fit_logit_scale

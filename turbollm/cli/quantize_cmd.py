@@ -2,10 +2,12 @@
 
     turbollm quantize MODEL --method {int8,int4,gptq,awq,gguf} --out PATH
         [--bits 4|3|8] [--group-size 32|64|128] [--act-order]
-        [--calib-samples N] [--calib-seq-len L] [--calib-data FILE] [--no-equalize] [--type T] [--threads N]
+        [--calib-samples N] [--calib-seq-len L] [--calib-data FILE] [--awq-clip] [--[no-]fit-logit-scale]
+        [--no-equalize] [--type T] [--threads N]
 
 int8 / int4 round to nearest (int8 after a calibration-free channel equalization unless
---no-equalize); gptq / awq calibrate on ShareGPT prompts (default 128 windows of 512 tokens).
+--no-equalize); gptq / awq calibrate on ShareGPT prompts (default 128 windows of 512 tokens);
+awq (and gptq with --fit-logit-scale) then fits one factor on the logits against the float model.
 The folder loads back with ``turbollm generate DIR`` / ``LLM(model=DIR)``, the method read from
 its config.json.
 ``--method gguf --type Q4_K_M --out FILE.gguf`` writes a llama.cpp-style GGUF.
@@ -50,6 +52,13 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
                            "smollm2-135m a little and hurt qwen2.5-coder-0.5b badly; see docs/AWQ_QWEN.md)")
     clip.add_argument("--awq-no-clip", dest="awq_clip", action="store_const", const=False,
                       help="awq: keep each group's full range (the default)")
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument("--fit-logit-scale", dest="logit_scale", action="store_const", const=True, default=None,
+                       help="gptq/awq: after quantizing, fit one factor on the logits (folded into the final norm) "
+                            "that minimizes the KL divergence to the float model on calibration windows "
+                            "(default for awq; see docs/QUANTIZATION.md)")
+    scale.add_argument("--no-fit-logit-scale", dest="logit_scale", action="store_const", const=False,
+                       help="gptq/awq: leave the final norm as it is (the default for gptq)")
     p.add_argument("--no-equalize", dest="equalize", action="store_const", const=False, default=None,
                    help="int8: round the weights as loaded (by default the decoder's input channels are first "
                         "equalized, calibration-free and function-preserving; see docs/QUANTIZATION.md)")
@@ -70,7 +79,7 @@ def run_quantize_cmd(ns: argparse.Namespace) -> int:
     opts = QuantizeOptions(ns.model, ns.method, ns.out, bits=ns.bits, group_size=ns.group_size,
                            act_order=ns.act_order, calib_samples=ns.calib_samples, calib_seq_len=ns.calib_seq_len,
                            calib_data=ns.calib_data, damp=ns.damp, awq_search_tokens=ns.awq_search_tokens,
-                           awq_clip=ns.awq_clip, equalize=ns.equalize,
+                           awq_clip=ns.awq_clip, equalize=ns.equalize, logit_scale=ns.logit_scale,
                            gguf_type=ns.gguf_type, progress=not ns.no_progress)
     s = run_quantize(opts)
     per_layer = f", {sum(s.layer_seconds) / len(s.layer_seconds):.1f} s per layer" if s.layer_seconds else ""

@@ -18,8 +18,8 @@ relative rounding error of the scaled-up columns. Per linear group:
   linear's own output error ``||X (Q(W·s)/s - W)ᵀ||²``; V → o_proj keeps ``s = mean|x|^α``
   (with GQA one V channel's scale serves the o_proj columns of `group` query heads).
   On qwen2.5-coder-0.5b (32k tokens, no clipping) this family and objective took AWQ from +17.6%
-  to +15.4% perplexity (round-to-nearest: +14.15%) at a lower KLD (0.124 vs 0.129); on 131k
-  tokens it is +15.6% vs +14.6% and 0.126 vs 0.132 (docs/AWQ_QWEN.md).
+  to +14.3–15.4% perplexity (two runs of the same code; round-to-nearest: +14.15%) at a lower KLD
+  (0.124 vs 0.129); with the logit-scale fit below, +11.6% / 0.120 (docs/AWQ_QWEN.md).
 - ``diag(s)⁻¹`` is folded into whatever produces x, so inference costs nothing:
   attention input → the preceding RMSNorm's weight (Q/K/V share it), the MLP input → its
   RMSNorm (gate/up share it), o_proj's input → the rows of V (attention is linear in V;
@@ -33,6 +33,10 @@ relative rounding error of the scaled-up columns. Per linear group:
   them), as in the paper's released code. Measured with this objective (docs/AWQ_QWEN.md):
   on qwen2.5-coder-0.5b it took perplexity from +14.3% to +31.4% and KLD from 0.124 to 0.163; on
   smollm2-135m (g64) it helped a little (+19.6% → +18.2%). Hence off unless asked for.
+- After the last layer, by default, `turbollm quantize` fits one factor on the logits against the
+  float model (quantize/logit_scale.py; not from the paper). Each search above minimizes its own
+  branch's squared error, which leaves the model as a whole sharper than its reference on
+  qwen2.5-coder-0.5b; the fit flattens it back where KL to the reference is least.
 
 Statistics: ``mean|x|`` over every calibration token for the norm-fed linears; the error
 terms (and o/down statistics) on a sample of about ``search_tokens`` tokens from the batches

@@ -66,7 +66,8 @@ QUANTIZE_METHODS: dict[str, MethodSpec] = {s.name: s for s in (
     MethodSpec("gptq", (4, 3, 8), 4, True, "gptq", act_order=True, per_channel_bits=(8,),
                description="GPTQ: Hessian-based error feedback from calibration activations"),
     MethodSpec("awq", (4,), 4, True, "awq",
-               description="AWQ: activation-aware scales folded into the preceding ops, RTN (optional clipping)"),
+               description="AWQ: activation-aware scales folded into the preceding ops, RTN (optional clipping), "
+                           "then the logit-scale fit"),
 )}
 
 
@@ -85,6 +86,7 @@ class QuantizeOptions:
     awq_search_tokens: int = 2048
     awq_clip: bool | None = None  # None: not given, i.e. no clipping search (see `clip`)
     equalize: bool | None = None  # int8: None (not given) = equalize; False = --no-equalize
+    logit_scale: bool | None = None  # gptq/awq: None (not given) = the method's default (`fit_logit_scale`)
     gguf_type: str | None = None
     progress: bool = True
     resolved_bits: int = field(default=0, init=False)
@@ -99,6 +101,16 @@ class QuantizeOptions:
     @property
     def clip_flag(self) -> str:
         return "--awq-clip" if self.awq_clip else "--awq-no-clip"
+
+    @property
+    def fit_logit_scale(self) -> bool:
+        """The logit-scale fit after quantizing (quantize/logit_scale.py): on by default for AWQ, whose
+        outputs come out sharper than the reference's (docs/AWQ_QWEN.md), off for GPTQ unless asked."""
+        return self.logit_scale if self.logit_scale is not None else self.method == "awq"
+
+    @property
+    def logit_scale_flag(self) -> str:
+        return "--fit-logit-scale" if self.logit_scale else "--no-fit-logit-scale"
 
     @property
     def samples(self) -> int:
@@ -123,6 +135,7 @@ def validate_options(opts: QuantizeOptions) -> MethodSpec | None:
         given = [f for f, v in (("--bits", opts.bits), ("--group-size", opts.group_size)) if v is not None]
         given += ["--act-order"] * opts.act_order + [opts.clip_flag] * (opts.awq_clip is not None) + calib_given
         given += ["--no-equalize"] * (opts.equalize is not None)
+        given += [opts.logit_scale_flag] * (opts.logit_scale is not None)
         if given:
             raise InvalidRequestError(f"--method gguf takes --type, not {', '.join(given)}")
         if opts.gguf_type not in GGUF_TYPES:
@@ -145,6 +158,9 @@ def validate_options(opts: QuantizeOptions) -> MethodSpec | None:
         raise InvalidRequestError(f"{opts.clip_flag} applies to --method awq only (got --method {spec.name})")
     if opts.equalize is not None and spec.name != "int8":
         raise InvalidRequestError(f"--no-equalize applies to --method int8 only (got --method {spec.name})")
+    if opts.logit_scale is not None and not spec.calibrates:
+        raise InvalidRequestError(f"{opts.logit_scale_flag} applies to --method gptq or awq only "
+                                  f"(got --method {spec.name})")
     if calib_given and not spec.calibrates:
         raise InvalidRequestError(f"--method {spec.name} uses no calibration data; drop {', '.join(calib_given)}")
     if spec.calibrates and (opts.samples < 1 or opts.seq_len < 16):

@@ -86,7 +86,13 @@ def run_quantize(opts: QuantizeOptions, log: Callable[[str], None] = print) -> Q
     summary = QuantizeSummary(spec.name, opts.out, 0.0)
     extra: dict[str, Any] = {"quantizer": "turbollm"}
     if spec.name in ("gptq", "awq"):
+        from turbollm.quantize.logit_scale import (apply_logit_scale, final_hidden, fit_logit_scale,
+                                                   fit_windows)
         from turbollm.quantize.pipeline import quantize_decoder
+
+        if opts.fit_logit_scale:  # the float model's outputs, before the decoder is quantized in place
+            scale_windows = fit_windows(calib.windows)
+            ref_hidden = final_hidden(loaded.model, scale_windows)
 
         if spec.name == "gptq":
             from turbollm.quantize.gptq import GPTQAlgorithm
@@ -101,6 +107,12 @@ def run_quantize(opts: QuantizeOptions, log: Callable[[str], None] = print) -> Q
         report = quantize_decoder(loaded.model, calib.windows, alg, progress=opts.progress,
                                   desc=f"{spec.name} {bits}-bit")
         results = alg.results
+        if opts.fit_logit_scale:
+            fit = fit_logit_scale(loaded.model, ref_hidden, scale_windows, progress=opts.progress)
+            apply_logit_scale(loaded.model, fit.beta)
+            log(f"logit scale: {fit.summary()}")
+            extra["logit_scale"] = fit.as_dict()
+            summary.details["logit_scale"] = fit.as_dict()
         summary.layer_seconds = report.layer_seconds
         summary.calibration_tokens, summary.corpus_tokens = calib.num_tokens, calib.corpus_tokens
         extra["calibration"] = {"data": str(opts.calib_data or "sharegpt"), "samples": opts.samples,
