@@ -89,30 +89,43 @@ def test_fit_windows_spread_over_the_calibration_set():
     assert fit_windows(w, 16).shape == (10, 2)
 
 
-def test_quantize_folds_the_fit_into_the_final_norm_only(tiny, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the exported norm is (1+w)·β − 1
+def test_quantize_folds_the_fit_into_the_final_norm_only(tiny, tmp_path, arch):
     """AWQ through `run_quantize`, with the fit (the default) and without: the same codes, the final
-    norm differing by the recorded β, and that β no worse than 1 in KL on the fit windows."""
+    norm differing by the recorded β, and the folders, loaded back, closer to the float model in KL
+    on the fit windows with the factor than without it."""
     import json
 
     from quant_tiny import calibration_text
     from safetensors.torch import load_file
 
+    from turbollm.quantize.calibration import build_calibration
     from turbollm.quantize.methods import QuantizeOptions
     from turbollm.quantize.runner import run_quantize
 
     calib = calibration_text(tmp_path / "c.txt", words=3000)
-    outs = {}
+    outs, folders = {}, {}
     for fit in (None, False):
-        opts = QuantizeOptions(str(tiny("llama")), "awq", tmp_path / f"q-{fit}", group_size=32, calib_samples=8,
+        opts = QuantizeOptions(str(tiny(arch)), "awq", tmp_path / f"q-{fit}", group_size=32, calib_samples=8,
                                calib_seq_len=64, calib_data=str(calib), logit_scale=fit, progress=False)
         run_quantize(opts, log=lambda s: None)
-        outs[fit] = load_file(str(opts.out / "model.safetensors"))
-    record = json.loads((tmp_path / "q-None" / "config.json").read_text())["quantization_config"]["logit_scale"]
-    assert "logit_scale" not in json.loads((tmp_path / "q-False" / "config.json").read_text())["quantization_config"]
-    assert record["kl_after"] <= record["kl_before"] and record["tokens"] == 8 * 64
-    assert record["beta"] != 1.0
+        outs[fit], folders[fit] = load_file(str(opts.out / "model.safetensors")), opts.out
+    record = json.loads((folders[None] / "config.json").read_text())["quantization_config"]["logit_scale"]
+    assert "logit_scale" not in json.loads((folders[False] / "config.json").read_text())["quantization_config"]
+    assert record["tokens"] == 8 * 64
+    offset = 1.0 if arch == "gemma3" else 0.0  # the checkpoint stores w of x·(1+w)
     for name, t in outs[False].items():
         if name == "model.norm.weight":
-            torch.testing.assert_close(outs[None][name], t * record["beta"], rtol=1e-6, atol=0)
+            torch.testing.assert_close(outs[None][name] + offset, (t + offset) * record["beta"], rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(outs[None][name], t), name
+    ref = load_model(str(tiny(arch)), quantization="none")
+    windows = build_calibration(ref.tokenizer, 8, 64, str(calib)).windows
+    lp = ref.model.compute_logits(final_hidden(ref.model, windows)).log_softmax(-1)
+    kl = {}
+    for fit, folder in folders.items():
+        m = load_model(str(folder)).model
+        lq = m.compute_logits(final_hidden(m, windows)).log_softmax(-1)
+        kl[fit] = float((lp.exp() * (lp - lq)).sum(-1).mean())
+    assert kl[None] < kl[False]
+    assert kl[False] == pytest.approx(record["kl_before"], rel=0.05)  # the loaded model holds its head as Q8_0
