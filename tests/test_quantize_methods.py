@@ -400,29 +400,25 @@ def test_cli_lists_match_registries():
     assert quantize_cmd.GGUF_TYPES == GGUF_TYPES
 
 
-def test_awq_clip_flags():
-    """Clipping is off unless --awq-clip is given; --awq-no-clip says the default explicitly; not both."""
+@pytest.mark.parametrize("method,on,off,dest", [
+    ("awq", "--awq-clip", "--awq-no-clip", "awq_clip"),
+    ("gptq", "--fit-logit-scale", "--no-fit-logit-scale", "logit_scale"),
+])
+def test_on_off_flag_pairs(method, on, off, dest):
+    """Each on/off pair: not given → None (the method's default), either flag says its value, not both."""
     from turbollm.cli.main import build_parser
 
     parse = build_parser().parse_args
-    base = ["quantize", "m", "--method", "awq", "--out", "o"]
-    assert parse(base).awq_clip is None and parse(base + ["--awq-clip"]).awq_clip is True
-    assert parse(base + ["--awq-no-clip"]).awq_clip is False
+    base = ["quantize", "m", "--method", method, "--out", "o"]
+    assert getattr(parse(base), dest) is None and getattr(parse(base + [on]), dest) is True
+    assert getattr(parse(base + [off]), dest) is False
     with pytest.raises(SystemExit):
-        parse(base + ["--awq-clip", "--awq-no-clip"])
+        parse(base + [on, off])
+
+
+def test_on_off_defaults():
+    """Clipping is off unless asked for; the logit-scale fit is AWQ's default and GPTQ's option."""
     assert not QuantizeOptions("m", "awq", "o").clip and QuantizeOptions("m", "awq", "o", awq_clip=True).clip
-
-
-def test_logit_scale_flags():
-    """The logit-scale fit is AWQ's default and GPTQ's option; either flag overrides; not both."""
-    from turbollm.cli.main import build_parser
-
-    parse = build_parser().parse_args
-    base = ["quantize", "m", "--method", "gptq", "--out", "o"]
-    assert parse(base).logit_scale is None and parse(base + ["--fit-logit-scale"]).logit_scale is True
-    assert parse(base + ["--no-fit-logit-scale"]).logit_scale is False
-    with pytest.raises(SystemExit):
-        parse(base + ["--fit-logit-scale", "--no-fit-logit-scale"])
     assert QuantizeOptions("m", "awq", "o").fit_logit_scale and not QuantizeOptions("m", "gptq", "o").fit_logit_scale
     assert not QuantizeOptions("m", "awq", "o", logit_scale=False).fit_logit_scale
     assert QuantizeOptions("m", "gptq", "o", logit_scale=True).fit_logit_scale
