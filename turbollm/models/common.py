@@ -105,11 +105,12 @@ class CausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        return self.cap_logits(self.lm_head(hidden))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final logit soft-cap, where the architecture has one (identity otherwise)."""
         cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], *, hf_layout: bool,
                      source: str = "checkpoint") -> None:

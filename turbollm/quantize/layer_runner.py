@@ -185,6 +185,13 @@ def run_until_captured(fn: Callable[[], object], box: dict) -> torch.Tensor:
     return box.pop("x")
 
 
+def spread_indices(n: int, count: int) -> list[int]:
+    """`count` indices of ``range(n)`` spread evenly from the first to the last (all when count ≥ n)."""
+    if count >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(1, count - 1)) for i in range(count)})
+
+
 class CalibrationRunner:
     """Token windows ``[S, L]`` cut into batches of whole sequences, each with its ForwardBatch."""
 
@@ -222,7 +229,4 @@ class CalibrationRunner:
 
     def spread(self, count: int) -> list[int]:
         """Indices of `count` batches spread evenly over all of them (all when count ≥ len)."""
-        n = len(self.batches)
-        if count >= n:
-            return list(range(n))
-        return sorted({round(i * (n - 1) / max(1, count - 1)) for i in range(count)})
+        return spread_indices(len(self.batches), count)

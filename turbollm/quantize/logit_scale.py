@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from turbollm.quantize.layer_runner import CalibrationRunner
+from turbollm.quantize.layer_runner import CalibrationRunner, spread_indices
 
 FIT_WINDOWS = 8
 LOW, HIGH, GRID = 0.80, 1.20, 21  # β grid: 0.80, 0.82, ..., 1.20 (1.0 on it)
@@ -58,11 +58,7 @@ class LogitScaleFit:
 
 def fit_windows(windows: torch.Tensor, count: int = FIT_WINDOWS) -> torch.Tensor:
     """`count` of the calibration windows ``[S, L]``, spread evenly over them."""
-    n = windows.shape[0]
-    if count >= n:
-        return windows
-    idx = sorted({round(i * (n - 1) / max(1, count - 1)) for i in range(count)})
-    return windows[idx]
+    return windows[spread_indices(windows.shape[0], count)]
 
 
 @torch.no_grad()
@@ -71,12 +67,6 @@ def final_hidden(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     ``[S, L]``, each window one causal sequence."""
     runner = CalibrationRunner(model, windows)
     return torch.cat([model(batch) for _, batch in runner.batches])
-
-
-def _capped(model: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """What `compute_logits` does after the LM head (the final soft-cap, if the model has one)."""
-    cap = model.config.final_logit_softcapping
-    return torch.tanh(z / cap) * cap if cap else z
 
 
 @torch.no_grad()
@@ -95,7 +85,7 @@ def kl_curve(model: nn.Module, ref_hidden: torch.Tensor, hidden: torch.Tensor, b
         ent_ref -= float(neg_ent.sum())
         z = model.lm_head(hidden[s:s + ROWS])
         for j, b in enumerate(betas.tolist()):
-            lq = _capped(model, z * b).log_softmax(-1)
+            lq = model.cap_logits(z * b).log_softmax(-1)
             kl[j] += float((neg_ent - (p * lq).sum(-1)).sum())
             ent[j] -= float((lq.exp() * lq).sum())
     n = hidden.shape[0]
