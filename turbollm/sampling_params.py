@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from turbollm.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+# `seed` is a 64-bit signed integer (as vLLM bounds it); sibling i of an n > 1 request draws
+# with seed + i, which torch's generator still takes.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -39,10 +43,15 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad(name, f"must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)):
             raise bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -75,7 +84,15 @@ class SamplingParams:
                                                 not all(isinstance(t, int) for t in self.stop_token_ids)):
             raise bad("stop_token_ids", "must be a list of integer token ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"token ids must be >= 0, got {min(self.stop_token_ids)}")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError if a token id the request names is outside [0, vocab_size)."""
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"SamplingParams.stop_token_ids: token id {t} is outside the "
+                                          f"vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
