@@ -129,3 +129,55 @@ def test_prune_keeps_recent_builds_and_skips_busy_ones(tmp_path):
     assert sorted(removed) == sorted([folders[1], folders[2], tmp_path / "mod"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "mod-0000000000000000", "mod-0000000000000003", "mod-0000000000000004", "other-0"]
+
+
+def test_build_key_separates_cpus(tmp_path, monkeypatch):
+    """Builds use -march=native: a cache shared between machines must not hand one CPU's build to another
+    (before: the key had no CPU in it, and an AVX-512 build would SIGILL on an AVX2 machine)."""
+    import turbollm.kernels as kernels
+
+    files = _sources(tmp_path / "src")
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    avx512 = tmp_path / "avx512"
+    avx512.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")
+    assert kernels.cpu_flags(avx2) == "avx avx2 fma fpu sse2"
+    monkeypatch.setattr(kernels, "CPUINFO", avx2)
+    on_avx2 = kernels.build_key(files, ["-O3"])
+    monkeypatch.setattr(kernels, "CPUINFO", avx512)
+    assert kernels.build_key(files, ["-O3"]) != on_avx2
+    monkeypatch.setattr(kernels, "CPUINFO", tmp_path / "missing")  # no /proc: machine and processor names
+    assert kernels.cpu_flags() and kernels.build_key(files, ["-O3"]) != on_avx2
+
+
+def test_prune_never_removes_a_build_another_process_has_loaded(tmp_path):
+    """A live process's mapped module keeps its folder (before: the oldest folder went, in use or not)."""
+    import os
+
+    from turbollm.kernels import prune_builds
+
+    folders = []
+    for i in range(3):
+        with locked_build_dir(f"mod-{i:016x}", root=tmp_path) as folder:
+            folders.append(folder)
+        os.utime(folder / ".turbollm-build.lock", (1000 + i, 1000 + i))
+    holder = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from turbollm.kernels import mark_in_use
+        mark_in_use(Path({str(folders[0])!r}))
+        (Path({str(tmp_path)!r}) / "held").touch()
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder])
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "held").exists():
+            assert time.time() < deadline and proc.poll() is None, "holder never marked the build"
+            time.sleep(0.05)
+        assert prune_builds("mod", tmp_path, keep=1) == [folders[1]]  # the oldest is loaded elsewhere
+        assert folders[0].exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert prune_builds("mod", tmp_path, keep=1) == [folders[0]]  # its holder is gone
