@@ -22,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" (RequestOutput.error says why)
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -38,3 +38,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # set when the request failed: its outputs finish with "error"

@@ -57,6 +57,18 @@ class KVCacheSpec:
         return cls(int(num_blocks), block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
+def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
+                      max_num_seqs: int) -> int:
+    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks): the most a
+    default-sized cache can ever use, so a small model with a short context is not given gigabytes."""
+    per_seq = -(-max_model_len // block_size) * block_size
+    return KVCacheSpec(1, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype).bytes_per_token \
+        * per_seq * max_num_seqs
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zero-filled storage whose pages the OS commits on first touch.
 
@@ -64,8 +76,8 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     torch.zeros writes every byte: 4 GiB of KV cache would cost seconds at start-up.
     Zeros (not garbage) matter: masked slots are multiplied by zero probabilities.
     """
-    if dtype == torch.float32:
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    if dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
     return torch.zeros(shape, dtype=dtype)
 
 

@@ -4,6 +4,13 @@
 scheduler for a batch, runs it, samples, advances the counters, detokenizes, applies the
 stop rules and returns the outputs of every request that changed. `abort` ends a
 request at once and returns its KV blocks.
+
+Limits: `max_model_len` is capped at start-up to the tokens the KV pool holds (with a log
+line), so one sequence always fits the pool alone and the scheduler always makes progress.
+A failure that belongs to one request (its sampling, its stop checks, its detokenization, a
+sequence the pool cannot hold) ends that request only: its outputs finish with
+`finish_reason="error"` and `RequestOutput.error` says why; the rest of the batch goes on. A
+failure of the forward pass itself cannot be pinned on a request and is raised.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from turbollm.attention import get_attention_backend
 from turbollm.engine.detokenizer import IncrementalDetokenizer
 from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.kv_cache import BlockPool, KVCacheSpec, allocate_kv_storage
+from turbollm.engine.kv_cache import BlockPool, KVCacheSpec, allocate_kv_storage, default_kv_budget
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.model_runner import ModelRunner
 from turbollm.engine.sampler import Sampler, SampleResult, token_rank
@@ -42,6 +49,7 @@ class _Request:
     seqs: list[Sequence]
     arrival_time: float  # time.monotonic()
     first_scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
+    error: str | None = None  # why the request failed (its outputs finish with "error")
 
 
 class LLMEngine:
@@ -53,15 +61,25 @@ class LLMEngine:
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        self.kv_spec = KVCacheSpec.from_budget(self.config, args.kv_cache_bytes(), args.block_size,
-                                              args.kv_torch_dtype(self.loaded.quantization))
+        model_len = min(args.max_model_len or self.config.max_position_embeddings,
+                        self.config.max_position_embeddings)
+        kv_dtype = args.kv_torch_dtype(self.loaded.quantization)
+        budget = args.kv_cache_bytes()
+        if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
+            budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
+                                                   args.max_num_seqs))
+        self.kv_spec = KVCacheSpec.from_budget(self.config, budget, args.block_size, kv_dtype)
         self.pool = BlockPool(self.kv_spec.num_blocks, enable_caching=args.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s, prefix caching %s)",
                     self.kv_spec.num_blocks, args.block_size, self.kv_spec.num_tokens,
                     self.kv_spec.total_bytes / (1 << 20), str(self.kv_spec.dtype).replace("torch.", ""),
                     "on" if args.enable_prefix_caching else "off")
+        if model_len > self.kv_spec.num_tokens:
+            # One sequence must always fit the pool alone, or it would preempt itself forever.
+            logger.warning("max_model_len %d is more than the KV cache holds: capped to %d tokens (raise "
+                           "kv_cache_memory for the full context)", model_len, self.kv_spec.num_tokens)
+            model_len = self.kv_spec.num_tokens
+        self.max_model_len = model_len
         self.scheduler = Scheduler(self.pool, args.block_size, args.max_num_seqs,
                                    max(args.max_num_batched_tokens, args.block_size))
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(self.kv_spec), args.block_size,
@@ -79,6 +97,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._req_ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params.check_token_ids(self.config.vocab_size)
+        if params.n > self.args.max_num_seqs:
+            raise InvalidRequestError(f"SamplingParams.n: {params.n} samples cannot run together with "
+                                      f"max_num_seqs={self.args.max_num_seqs}")
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty (0 tokens)")
@@ -89,10 +111,6 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        need_blocks = -(-(len(ids) + 1) // self.args.block_size)
-        if need_blocks > self.kv_spec.num_blocks:
-            raise InvalidRequestError(f"the prompt needs {need_blocks} KV blocks but the cache has only "
-                                      f"{self.kv_spec.num_blocks}; raise kv_cache_memory")
         # With n > 1 one sequence computes the prompt; its siblings fork off it (sharing its
         # blocks, copy-on-write) when the first token is sampled.
         seq = self._new_seq(request_id, 0, list(ids), params)
@@ -148,6 +166,19 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    def _fail(self, request_id: str, error: str) -> None:
+        """End every sequence of one request with finish_reason "error"; its next output says why."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.error is None:
+            logger.error("request %s failed: %s", request_id, error)
+            req.error = error
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+
     def stats(self) -> dict[str, float | int]:
         """Engine counters: requests, KV blocks, prefix cache (tokens), preemptions."""
         pool, sched = self.pool, self.scheduler
@@ -165,8 +196,15 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        touched: dict[str, None] = {}
+        for seq in sched.unschedulable:
+            self._fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV cache but the cache holds "
+                                       f"{self.kv_spec.num_tokens}; raise kv_cache_memory or lower max_model_len")
+            touched[seq.request_id] = None
         if sched.is_empty:
-            return []
+            if not touched and self.scheduler.has_unfinished():
+                raise RuntimeError("internal error: the scheduler made no progress with requests waiting")
+            return self._outputs(touched)
         now = time.monotonic()
         for s in sched.scheduled:
             req = self.requests.get(s.seq.request_id)
@@ -174,23 +212,40 @@ class LLMEngine:
                 req.first_scheduled_time = now
         out = self.runner.execute(sched)
         for i, (first_pos, logits) in out.prompt_logits.items():
-            self._record_prompt_logprobs(sched.scheduled[i].seq, first_pos, logits)
+            seq = sched.scheduled[i].seq
+            self._guarded(seq, touched, self._record_prompt_logprobs, seq, first_pos, logits)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.scheduler.cache_computed_blocks(s.seq)
         seqs, rows = [], []
         for row, i in enumerate(out.sample_index):
             seq = sched.scheduled[i].seq
+            if seq.is_finished:  # failed above
+                continue
             for sib in [seq] + (self._fork(seq) if seq.pending_forks else []):
                 seqs.append(sib)
                 rows.append(row)
         logits = out.sample_logits[rows] if rows != list(range(len(out.sample_index))) else out.sample_logits
         ends = [self._end_ids(seq) for seq in seqs]
         results = self.sampler.sample(logits, seqs, ends) if seqs else []
-        touched: dict[str, None] = {}
         for seq, res, end in zip(seqs, results, ends):
-            self._append_token(seq, res, end)
             touched[seq.request_id] = None
+            if res.error is not None:
+                self._fail(seq.request_id, f"sampling failed: {res.error}")
+            elif not seq.is_finished:
+                self._guarded(seq, touched, self._append_token, seq, res, end)
+        return self._outputs(touched)
+
+    def _guarded(self, seq: Sequence, touched: dict[str, None], fn, *args) -> None:
+        """Run one request's share of the step's bookkeeping; an exception there fails that request only."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - isolate the request, keep the batch going
+            logger.exception("processing request %s failed", seq.request_id)
+            self._fail(seq.request_id, f"{type(e).__name__}: {e}")
+            touched[seq.request_id] = None
+
+    def _outputs(self, touched: dict[str, None]) -> list[RequestOutput]:
         return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
 
     def _end_ids(self, seq: Sequence) -> set[int]:
@@ -269,4 +324,5 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
         metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, metrics,
+                             error=req.error)

@@ -5,6 +5,11 @@ Order: penalties (repetition, presence, frequency) on the raw logits, `min_token
 generator (seeded requests give the same tokens whatever else is in the batch). Greedy
 requests take the argmax. Logprobs are those of the raw model distribution (before any
 of the above), as vLLM reports them.
+
+One row's numbers never fail the batch: a NaN produced by extreme settings (a penalty of
+1e308 overflows float32) counts as an excluded token, a row with nothing left to draw from
+takes the argmax of its raw logits, and an exception while sampling a row is returned in
+that row's `SampleResult.error` for the engine to fail that request alone.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class SampleResult:
     logprob: float  # raw-distribution logprob of the token (0.0 when logprobs were not asked for)
     rank: int  # 1-based rank in the raw distribution (0 when not asked for)
     top: list[tuple[int, float]]  # the top-k (id, logprob) when asked for
+    error: str | None = None  # sampling this row raised: the engine fails its request
 
 
 def token_rank(logprobs: torch.Tensor, token: int) -> int:
@@ -60,10 +66,22 @@ def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+def _draw(logits: torch.Tensor, raw: torch.Tensor, seq: Sequence, gen: torch.Generator) -> int:
+    """A token from the filtered distribution of one row; the raw argmax when nothing is left to draw."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"))
+    probs = _filter(logits, seq).softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        return int(torch.argmax(torch.nan_to_num(raw, nan=float("-inf"))).item())
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.default_generator = torch.Generator()
-        self.default_generator.manual_seed(seed if seed is not None else torch.seed())
+        if seed is not None:
+            self.default_generator.manual_seed(seed)
+        else:  # a fresh seed for this generator only (torch.seed() would reseed the process-wide RNG)
+            self.default_generator.seed()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], end_token_ids: list[set[int]]) -> list[SampleResult]:
         """One token for each row of `logits` [B, V] (row i belongs to seqs[i])."""
@@ -73,24 +91,27 @@ class Sampler:
         row_of = {i: r for r, i in enumerate(want)}
         results = []
         for i, seq in enumerate(seqs):
-            p = seq.params
-            row = logits[i].clone()
-            row = _apply_penalties(row, seq)
-            if len(seq.output_token_ids) < p.min_tokens and end_token_ids[i]:
-                row[torch.tensor(sorted(end_token_ids[i]))] = float("-inf")
-            if p.greedy:
-                token = int(torch.argmax(row).item())
-            else:
-                probs = _filter(row, seq).softmax(-1)
-                gen = seq.generator or self.default_generator
-                token = int(torch.multinomial(probs, 1, generator=gen).item())
-            if p.logprobs is None:  # logprobs are computed only for requests that ask for them
-                results.append(SampleResult(token, 0.0, 0, []))
-                continue
-            lp = raw_logprobs[row_of[i]]
-            top: list[tuple[int, float]] = []
-            if p.logprobs:
-                vals, idx = torch.topk(lp, min(p.logprobs, lp.numel()))
-                top = list(zip(idx.tolist(), vals.tolist()))
-            results.append(SampleResult(token, float(lp[token]), token_rank(lp, token), top))
+            try:
+                results.append(self._sample_row(logits[i], seq, end_token_ids[i],
+                                                raw_logprobs[row_of[i]] if i in row_of else None))
+            except Exception as e:  # noqa: BLE001 - this row's request fails, the batch goes on
+                results.append(SampleResult(-1, 0.0, 0, [], error=f"{type(e).__name__}: {e}"))
         return results
+
+    def _sample_row(self, raw: torch.Tensor, seq: Sequence, end_ids: set[int],
+                    lp: torch.Tensor | None) -> SampleResult:
+        p = seq.params
+        row = _apply_penalties(raw.clone(), seq)
+        if len(seq.output_token_ids) < p.min_tokens and end_ids:
+            row[torch.tensor(sorted(end_ids))] = float("-inf")
+        if p.greedy:
+            token = int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item())
+        else:
+            token = _draw(row, raw, seq, seq.generator or self.default_generator)
+        if lp is None:  # logprobs are computed only for requests that ask for them
+            return SampleResult(token, 0.0, 0, [])
+        top: list[tuple[int, float]] = []
+        if p.logprobs:
+            vals, idx = torch.topk(lp, min(p.logprobs, lp.numel()))
+            top = list(zip(idx.tolist(), vals.tolist()))
+        return SampleResult(token, float(lp[token]), token_rank(lp, token), top)

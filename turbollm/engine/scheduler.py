@@ -7,8 +7,14 @@ An admitted sequence first takes whatever prefix of it the prefix cache holds (i
 computed count starts there). A prompt longer than the remaining budget is prefilled in
 chunks over several steps. When a running sequence needs a block and none is free, the
 newest running sequence is preempted: its blocks return to the pool and it goes back to
-the front of the queue, to be recomputed later. Nothing is dropped. A shared block that
-a sequence is about to write into is copied first (copy-on-write).
+the front of the queue, to be recomputed later. A shared block that a sequence is about
+to write into is copied first (copy-on-write).
+
+Every step makes progress or says why not: a sequence that cannot fit in the whole pool even
+with nothing else running (which the engine's cap of `max_model_len` to the pool rules out, so
+this is a last line of defence) is taken out and reported in `SchedulerOutput.unschedulable`
+instead of preempting itself forever. An n > 1 request's siblings-to-be (`pending_forks`)
+take their `max_num_seqs` slots when the prompt is admitted.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward pass
+    # sequences that cannot fit in the whole KV pool: removed from the schedule, to be ended with an error
+    unschedulable: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,6 +72,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequence slots taken: every running sequence plus the siblings its prompt will fork."""
+        return sum(1 + s.pending_forks for s in self.running)
 
     # ------------------------------------------------------------------ blocks
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
@@ -99,13 +112,13 @@ class Scheduler:
         return hashes
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Point a fresh sequence at the cached blocks of its longest cached prefix."""
+        """Point a fresh sequence at the cached blocks of its longest cached prefix (counted in the
+        pool's stats by `_admit`, once the sequence is admitted)."""
         if not self.pool.enable_caching or seq.num_computed_tokens or seq.block_table:
             return
         if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
-        self.pool.stats.queries += seq.num_tokens
         for h in self._hashes(seq, max_blocks):
             block = self.pool.lookup(h)
             if block is None:
@@ -114,7 +127,6 @@ class Scheduler:
             seq.block_table.append(block)
         seq.num_computed_tokens = seq.num_cached_blocks = len(seq.block_table)
         seq.num_computed_tokens *= self.block_size
-        self.pool.stats.hits += seq.num_computed_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step: index the sequence's newly full blocks in the prefix cache."""
@@ -157,34 +169,50 @@ class Scheduler:
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
             if need > self.pool.num_free:
-                self._preempt(seq, out)
+                if self.running[0] is seq:  # alone, and still too big: it can never run
+                    self._drop(seq, out)
+                else:
+                    self._preempt(seq, out)
                 continue
             if shared is not None:
                 self._copy_on_write(seq, shared, out)
             self._grow(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._blocks_needed(seq, n) > self.pool.num_free:
-                self._undo_prefix(seq)
-                break
+                self.free_blocks(seq)
+                seq.num_computed_tokens = 0
+                if self.running:  # blocks come back as the running sequences finish
+                    break
+                self._drop(seq, out)  # the whole pool is free and still too small
+                continue
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq)
             self._grow(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
 
-    def _undo_prefix(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.stats.hits -= seq.num_computed_tokens
-        self.pool.stats.queries -= seq.num_tokens if self.pool.enable_caching else 0
+    def _admit(self, seq: Sequence) -> None:
+        if self.pool.enable_caching and seq.params.prompt_logprobs is None:
+            self.pool.stats.queries += seq.num_tokens
+            self.pool.stats.hits += seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.free_blocks(seq)
         seq.num_computed_tokens = 0
+        out.unschedulable.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and return its blocks."""

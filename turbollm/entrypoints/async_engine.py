@@ -18,7 +18,9 @@ Lifetimes: a request is submitted on the first iteration of its stream and abort
 blocks returned) as soon as the stream is left early: `break` (the stream is dropped),
 `aclose()`, the consuming task cancelled. `add_request` errors (InvalidRequestError, ...)
 are raised to that caller only. An exception in `step()` fails the requests in flight with
-`EngineStepError`, after aborting them; the worker keeps serving unless the engine still
+`EngineStepError`, after aborting them; a failure the engine pins on one request (its
+sampling or stop checks; `RequestOutput.error`) ends that stream alone with `RequestFailedError`.
+The worker keeps serving unless the engine still
 holds requests it could not abort, in which case it stops and every later call raises
 `EngineDeadError`. The caller's side (the stream, its mailbox, the commands) is in
 `request_stream.py`.
@@ -50,6 +52,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """`LLMEngine.step()` raised while this request was in flight; `__cause__` is the original error."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request alone on an error of its own (the others in the step went on)."""
 
 
 # ------------------------------------------------------------------ the engine wrapper
@@ -241,6 +247,10 @@ class AsyncLLMEngine:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
+                continue
+            if out.error is not None:
+                del self._sinks[out.request_id]
+                sink.put(RequestFailedError(f"request {out.request_id} failed: {out.error}"))
                 continue
             out = _snapshot(out)
             sink.last = out

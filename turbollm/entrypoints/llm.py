@@ -29,7 +29,11 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        A request the engine had to fail alone comes back finished with `finish_reason="error"` and
+        `RequestOutput.error` saying why; an exception from the engine (or Ctrl-C) aborts every
+        request of this call before it propagates."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,12 +58,17 @@ class LLM:
 
         results: dict[str, RequestOutput] = {}
         engine = self.engine
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # an error or Ctrl-C: nothing of this call stays in the engine for the next
+            for rid in ids:
+                engine.abort(rid)
+            raise
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

@@ -1,0 +1,229 @@
+"""The engine under its limits: a tiny KV pool never hangs it, one bad request never fails another,
+and an error leaves nothing behind. A tiny random llama checkpoint (tests/quant_tiny.py) keeps it fast."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from quant_tiny import VOCAB, build_tiny
+from turbollm import LLM, SamplingParams
+from turbollm.engine import sampler as sampler_module
+from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine.sampler import Sampler
+from turbollm.errors import InvalidRequestError
+
+pytest.importorskip("transformers")
+
+CONTEXT = 256  # the tiny checkpoint's max_position_embeddings
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32
+PROMPT = [5 + (7 * i) % 300 for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(build_tiny("llama", tmp_path_factory.mktemp("tiny-llama")))
+
+
+def engine(path: str, **kw) -> LLMEngine:
+    kw.setdefault("threads", 1)
+    return LLMEngine(EngineArgs(model=path, **kw))
+
+
+def run(eng: LLMEngine, max_steps: int = 400) -> dict:
+    """Step until every request is done (bounded: a step loop that makes no progress fails the test)."""
+    done = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            return done
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    raise AssertionError(f"still unfinished after {max_steps} steps: the engine is not making progress "
+                         f"(running {len(eng.scheduler.running)}, waiting {len(eng.scheduler.waiting)})")
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_request_without_max_tokens_on_a_tiny_pool_finishes(tiny, caching, caplog):
+    """Before: max_model_len stayed the model's 256 over a 64-token pool; the sequence outgrew the pool,
+    preempted itself, and the scheduler returned empty steps forever (caching on) or looped
+    prefill -> preempt (caching off)."""
+    with caplog.at_level(logging.WARNING, logger="turbollm"):
+        eng = engine(tiny, kv_cache_memory=64 * BYTES_PER_TOKEN, enable_prefix_caching=caching)
+    assert eng.kv_spec.num_tokens == 64
+    assert eng.max_model_len == 64
+    assert any("capped to 64 tokens" in r.getMessage() for r in caplog.records)
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=None, ignore_eos=True, seed=1), "r")
+    out = run(eng)["r"].outputs[0]
+    assert out.finish_reason == "length" and len(PROMPT) + len(out.token_ids) == 64
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_prompt_over_the_capped_context_is_refused(tiny):
+    eng = engine(tiny, kv_cache_memory=64 * BYTES_PER_TOKEN)
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64"):
+        eng.add_request({"prompt_token_ids": list(range(4, 4 + 64))}, SamplingParams())
+
+
+def test_default_kv_cache_is_sized_to_the_context_times_max_num_seqs(tiny):
+    """Before: every model got min(4 GiB, a quarter of RAM), even a tiny one with a 256-token context."""
+    eng = engine(tiny, max_num_seqs=3)
+    assert eng.kv_spec.num_tokens == 3 * CONTEXT
+    assert eng.max_model_len == CONTEXT
+    assert engine(tiny, max_num_seqs=3, max_model_len=100).kv_spec.num_tokens == 3 * 112  # whole blocks
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_and_others_keep_running(tiny):
+    """Before: accepted; with min_tokens > 0 the sampler indexed out of range inside step() and every
+    request in flight failed with it."""
+    eng = engine(tiny)
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=6, ignore_eos=True, seed=3), "good")
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        eng.add_request({"prompt_token_ids": PROMPT},
+                        SamplingParams(max_tokens=6, min_tokens=2, stop_token_ids=[VOCAB + 5]), "bad")
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
+    done = run(eng)
+    assert set(done) == {"good"} and len(done["good"].outputs[0].token_ids) == 6
+
+
+def _alone(tiny, params: SamplingParams) -> list[int]:
+    eng = engine(tiny)
+    eng.add_request({"prompt_token_ids": PROMPT}, params, "x")
+    return run(eng)["x"].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("where", ["sampler", "detokenizer"])
+def test_a_failure_in_one_requests_processing_fails_that_request_only(tiny, monkeypatch, where):
+    """Before: any exception in step() failed every request in flight."""
+    normal = SamplingParams(max_tokens=8, ignore_eos=True, seed=11, temperature=0.8)
+    want = _alone(tiny, normal)
+    eng = engine(tiny)
+    eng.add_request({"prompt_token_ids": PROMPT}, normal, "good")
+    eng.add_request({"prompt_token_ids": PROMPT[::-1]}, SamplingParams(max_tokens=8, ignore_eos=True), "bad")
+    if where == "sampler":
+        real = sampler_module._apply_penalties
+
+        def penalties(logits, seq):
+            if seq.request_id == "bad" and seq.output_token_ids:
+                raise RuntimeError("boom in sampling")
+            return real(logits, seq)
+
+        monkeypatch.setattr(sampler_module, "_apply_penalties", penalties)
+        eng.step()  # prefill both
+    else:
+        eng.step()
+        bad_seq = eng.requests["bad"].seqs[0]
+
+        def add(token):
+            raise RuntimeError("boom in detokenizing")
+
+        monkeypatch.setattr(bad_seq.detokenizer, "add", add)
+    done = run(eng)
+    assert done["good"].outputs[0].token_ids == want and done["good"].error is None
+    bad = done["bad"]
+    assert bad.outputs[0].finish_reason == "error" and "boom" in bad.error
+    assert not eng.requests and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_extreme_sampling_values_neither_fail_nor_disturb_the_batch(tiny):
+    """Before: temperature 1e180 with repetition_penalty 1e308 made NaN probabilities ("probability tensor
+    contains inf, nan"), raised inside step() and failed the concurrent normal request too."""
+    normal = SamplingParams(max_tokens=8, ignore_eos=True, seed=5, temperature=0.7)
+    want = _alone(tiny, normal)
+    eng = engine(tiny)
+    eng.add_request({"prompt_token_ids": PROMPT}, normal, "normal")
+    eng.add_request({"prompt_token_ids": PROMPT},
+                    SamplingParams(max_tokens=8, ignore_eos=True, temperature=1e180, repetition_penalty=1e308),
+                    "extreme")
+    eng.add_request({"prompt_token_ids": PROMPT},
+                    SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.5, repetition_penalty=1e-300),
+                    "tiny-penalty")
+    done = run(eng)
+    assert done["normal"].outputs[0].token_ids == want
+    for rid in ("extreme", "tiny-penalty"):
+        out = done[rid].outputs[0]
+        assert done[rid].error is None and out.finish_reason == "length"
+        assert all(0 <= t < VOCAB for t in out.token_ids)
+
+
+def test_sampler_without_a_seed_leaves_the_global_rng_alone():
+    """Before: Sampler() called torch.seed(), reseeding the process-wide generator."""
+    torch.manual_seed(1234)
+    a = torch.rand(4)
+    torch.manual_seed(1234)
+    Sampler()
+    assert torch.equal(torch.rand(4), a)
+
+
+def test_an_exception_inside_generate_leaves_no_requests_behind(tiny, monkeypatch):
+    """Before: the requests of the failed call stayed in the engine and ran inside the next call."""
+    llm = LLM(tiny, threads=1)
+    runner = llm.engine.runner
+    real, calls = runner.execute, []
+
+    def flaky(sched):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("forward pass failed")
+        return real(sched)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(RuntimeError, match="forward pass failed"):
+        llm.generate([{"prompt_token_ids": PROMPT}] * 3, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    outs = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_forked_siblings_respect_max_num_seqs(tiny):
+    """Before: the n - 1 siblings forked off a prompt joined the running set past max_num_seqs."""
+    eng = engine(tiny, max_num_seqs=3)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+        eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(n=4))
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=2), "a")
+    eng.add_request({"prompt_token_ids": PROMPT[:5]}, SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=2), "b")
+    peak, done = 0, {}
+    for _ in range(100):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        peak = max(peak, len(eng.scheduler.running))
+    assert peak <= 3 and set(done) == {"a", "b"}
+    assert all(len(c.token_ids) == 6 for o in done.values() for c in o.outputs)
+
+
+def test_server_on_a_tiny_pool_answers_instead_of_hanging(tiny):
+    """A chat request without max_tokens on a small KV cache (the issue's trigger) finishes at the capped
+    context; one asking for more than fits is a 400."""
+    httpx = pytest.importorskip("httpx")
+    from turbollm.entrypoints.async_engine import AsyncLLMEngine
+    from turbollm.server.app import ServerSettings, build_app
+
+    aengine = AsyncLLMEngine(engine(tiny, kv_cache_memory=64 * BYTES_PER_TOKEN))
+    app = build_app(aengine, ServerSettings(served_model_names=["tiny"]))
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+            body = {"model": "tiny", "prompt": " ".join(f"w{t}" for t in PROMPT), "max_tokens": None,
+                    "ignore_eos": True}
+            ok = await asyncio.wait_for(client.post("/v1/completions", json=body), 60)
+            over = await client.post("/v1/completions", json={**body, "max_tokens": 60})
+            return ok, over
+
+    try:
+        ok, over = asyncio.run(go())
+    finally:
+        aengine.shutdown_sync(timeout=10)
+    assert ok.status_code == 200, ok.text
+    choice = ok.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and ok.json()["usage"]["total_tokens"] == 64
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
