@@ -3,7 +3,9 @@
 `ModelConfig` is the one description every model file, layer and the engine reads; the two
 readers below translate each checkpoint format into it. Per-architecture defaults that the
 files leave implicit (Gemma 3's local RoPE base, its 5-of-6 sliding layers) are set by the
-architecture's entry in `ARCH_DEFAULTS`, so they are written down once.
+architecture's entry in `ARCH_DEFAULTS`, so they are written down once. RoPE scaling is
+read from either format into one normalized dict (`layers/rope_scaling.py`), and a type we do
+not implement is refused here, naming the file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from turbollm.errors import ModelFormatError, UnsupportedArchitectureError
+from turbollm.layers.rope_scaling import normalize_rope_scaling, yarn_mscale
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -44,7 +47,11 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # Gemma scales embeddings by sqrt(hidden_size)
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # RoPE scaling, normalized (`normalize_rope_scaling`): of every layer, or of the full-attention
+    # layers where the sliding ones have their own RoPE (`rope_local_theta`, `rope_local_scaling`).
     rope_scaling: dict[str, Any] | None = None
+    rope_local_scaling: dict[str, Any] | None = None
+    rope_freq_factors: list[float] | None = None  # GGUF `rope_freqs.weight`: divisors of every layer's frequencies
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -67,6 +74,12 @@ class ModelConfig:
         if self.layer_types[i] == SLIDING and self.rope_local_theta is not None:
             return self.rope_local_theta
         return self.rope_theta
+
+    def layer_rope_scaling(self, i: int) -> dict[str, Any] | None:
+        """The RoPE scaling of layer i (a sliding layer with its own RoPE base has its own scaling)."""
+        if self.layer_types[i] == SLIDING and self.rope_local_theta is not None:
+            return self.rope_local_scaling
+        return self.rope_scaling
 
 
 def _gemma3_defaults(cfg: dict[str, Any]) -> None:
@@ -116,6 +129,7 @@ def config_from_gguf(gguf_file) -> ModelConfig:
         return value
 
     hidden = int(need("embedding_length"))
+    max_position = int(gguf_file.arch_key("context_length", 2048))
     heads = int(need("attention.head_count"))
     kv_heads = gguf_file.arch_key("attention.head_count_kv", heads)
     head_dim = int(gguf_file.arch_key("attention.key_length", hidden // heads))
@@ -134,7 +148,9 @@ def config_from_gguf(gguf_file) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(gguf_file.arch_key("rope.freq_base", 10_000.0)),
-        max_position_embeddings=int(gguf_file.arch_key("context_length", 2048)),
+        max_position_embeddings=max_position,
+        rope_scaling=_gguf_rope_scaling(gguf_file, max_position),
+        rope_freq_factors=_gguf_rope_freq_factors(gguf_file, head_dim),
         tie_word_embeddings="output.weight" not in gguf_file.tensors,
         attention_bias="blk.0.attn_q.bias" in gguf_file.tensors,
         sliding_window=gguf_file.arch_key("attention.sliding_window"),
@@ -148,6 +164,44 @@ def config_from_gguf(gguf_file) -> ModelConfig:
     if arch != "gemma3":
         cfg["sliding_window"] = None
     return ModelConfig(**cfg)
+
+
+#: GGUF `{arch}.rope.scaling.*` keys → transformers' names (llama.cpp's converter writes them from those).
+_GGUF_ROPE_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+                   "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def _gguf_rope_scaling(gguf_file, max_position: int) -> dict[str, Any] | None:
+    """`rope.scaling.*` as llama.cpp reads them: a factor without a type is linear; `attn_factor`
+    multiplies the cos/sin tables (for YaRN, on top of its own factor)."""
+    where = str(gguf_file.path)
+    raw = {hf: gguf_file.arch_key(f"rope.scaling.{key}") for key, hf in _GGUF_ROPE_KEYS.items()}
+    raw["rope_type"] = gguf_file.arch_key("rope.scaling.type") or ("linear" if raw["factor"] else "none")
+    if gguf_file.arch_key("rope.scaling.yarn_log_multiplier"):
+        raise UnsupportedArchitectureError(f"{where}: RoPE scaling with rope.scaling.yarn_log_multiplier is not "
+                                           f"supported")
+    scaling = normalize_rope_scaling(raw, max_position, where)
+    attn_factor = float(gguf_file.arch_key("rope.scaling.attn_factor", 1.0))
+    if attn_factor != 1.0:
+        if scaling is None or scaling["rope_type"] != "yarn":
+            raise UnsupportedArchitectureError(f"{where}: rope.scaling.attn_factor {attn_factor} is supported with "
+                                               f"YaRN scaling only")
+        scaling["attention_factor"] = attn_factor * yarn_mscale(scaling["factor"])
+    return scaling
+
+
+def _gguf_rope_freq_factors(gguf_file, head_dim: int) -> list[float] | None:
+    """The `rope_freqs.weight` tensor (Llama 3's scaling, precomputed by the converter) as a list."""
+    t = gguf_file.tensors.get("rope_freqs.weight")
+    if t is None:
+        return None
+    from turbollm.formats.ggml_types import dequantize
+
+    values = dequantize(t.data, t.qtype, t.shape, tensor_name=f"{gguf_file.path}: {t.name}").flatten()
+    if values.numel() != head_dim // 2 or not bool((values > 0).all()):
+        raise ModelFormatError(f"{gguf_file.path}: rope_freqs.weight must hold {head_dim // 2} positive factors, "
+                               f"got {values.numel()} values")
+    return values.tolist()
 
 
 def _check_against_tensors(gguf_file, cfg: dict[str, Any]) -> None:
@@ -180,6 +234,7 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         raw = {**raw, **raw["text_config"]}
     try:
         heads = int(raw["num_attention_heads"])
+        max_position = int(raw.get("max_position_embeddings", 2048))
         cfg: dict[str, Any] = dict(
             arch=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -191,7 +246,8 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(_hf_rope_theta(raw, "full_attention", 10_000.0)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position,
+            rope_scaling=normalize_rope_scaling(_hf_rope_scaling(raw, FULL), max_position, str(path)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             bos_token_id=raw.get("bos_token_id"),
@@ -208,6 +264,7 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         cfg["layer_types"] = list(raw.get("layer_types") or [])
         cfg["query_pre_attn_scalar"] = raw.get("query_pre_attn_scalar")
         cfg["rope_local_theta"] = _hf_rope_theta(raw, "sliding_attention", None) or raw.get("rope_local_base_freq")
+        cfg["rope_local_scaling"] = normalize_rope_scaling(_hf_rope_scaling(raw, SLIDING), max_position, str(path))
         if raw.get("sliding_window_pattern"):
             cfg["sliding_window_pattern"] = raw["sliding_window_pattern"]
     if arch == "qwen2" and raw.get("use_sliding_window"):
@@ -228,3 +285,26 @@ def _hf_rope_theta(raw: dict[str, Any], layer_type: str, default: float | None) 
     if layer_type == "sliding_attention":
         return raw.get("rope_local_base_freq", default)
     return raw.get("rope_theta", default)
+
+
+def _hf_rope_scaling(raw: dict[str, Any], layer_type: str) -> dict[str, Any] | None:
+    """The RoPE scaling dict of `layer_type`'s layers, as transformers reads it.
+
+    `rope_scaling` (transformers 4) wins over `rope_parameters` (transformers 5, flat or nested
+    per layer type) and belongs to the full-attention layers; a top-level
+    `original_max_position_embeddings` overrides the dict's, as transformers does at run time.
+    """
+    params = raw.get("rope_parameters")
+    nested = isinstance(params, dict) and isinstance(params.get(layer_type), dict)
+    if layer_type == SLIDING:
+        scaling = params[layer_type] if nested else None
+    elif raw.get("rope_scaling"):
+        scaling = raw["rope_scaling"]
+    elif nested:
+        scaling = params[layer_type]
+    else:
+        scaling = params if isinstance(params, dict) and not any(isinstance(v, dict) for v in params.values()) \
+            else None
+    if isinstance(scaling, dict) and raw.get("original_max_position_embeddings"):
+        scaling = {**scaling, "original_max_position_embeddings": raw["original_max_position_embeddings"]}
+    return scaling if isinstance(scaling, dict) else None

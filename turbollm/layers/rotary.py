@@ -3,30 +3,43 @@
 Llama-family GGUF files store Q/K rows permuted for the interleaved layout; the loader
 undoes that permutation, so one RoPE serves every architecture. For float32 the C++ kernel
 rotates q and k in place in one pass (`kernels/csrc/fused_ops.cpp`); `rope_reference` is the
-plain path.
+plain path. A checkpoint's RoPE scaling (`layers/rope_scaling.py`) changes only the
+inverse frequencies and a factor on the cos/sin tables, so both paths apply it unchanged.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from turbollm.kernels import cpu_kernels
+from turbollm.layers.rope_scaling import rope_frequencies
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    """cos/sin tables [positions, head_dim / 2] (grown on demand) and the rotation of q and k.
+
+    `scaling` is a normalized RoPE scaling dict (`normalize_rope_scaling`), `freq_factors` a
+    GGUF file's per-frequency divisors; either may be None.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None = None,
+                 freq_factors: Sequence[float] | None = None):
         super().__init__()
         self.head_dim, self.base = head_dim, base
+        self.inv_freq, self.attention_factor = rope_frequencies(head_dim, base, scaling, freq_factors)
         self._cache_len = 0
         self._grow(min(max_position, 4096))
         self.max_position = max_position
 
     def _grow(self, n: int) -> None:
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         t = torch.arange(n, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, self.inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            self.cos, self.sin = self.cos * self.attention_factor, self.sin * self.attention_factor
         self._cache_len = n
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

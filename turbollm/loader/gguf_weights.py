@@ -53,6 +53,8 @@ _BLOCK_NAMES = {
 # Where an architecture names a block tensor differently.
 _ARCH_BLOCK_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+#: Tensors the config reads (`config_from_gguf`), not weights: Llama 3's RoPE frequency factors.
+CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
@@ -108,10 +110,10 @@ def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig, *,
     matrices. An undecodable type raises UnsupportedTensorTypeError naming file and tensor.
     """
     for name, t in gguf.tensors.items():
+        if name in CONFIG_TENSORS:
+            continue
         target = hf_name(name, cfg.arch)
         if target is None:
-            if name == "rope_freqs.weight":
-                raise WeightLoadError(f"{gguf.path}: tensor {name!r} (RoPE frequency scaling) is not supported yet")
             raise WeightLoadError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.arch}")
         try:
             w = quantized_tensor(t) if keep_quantized and _keeps_blocks(t) else dequantize_tensor(t)

@@ -49,7 +49,8 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.layer_rope_theta(layer_idx))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.layer_rope_theta(layer_idx),
+                                      cfg.layer_rope_scaling(layer_idx), cfg.rope_freq_factors)
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attention_scale,
                               cfg.layer_window(layer_idx), cfg.attn_logit_softcapping)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from turbollm.config import ModelConfig
+from turbollm.errors import ModelFormatError
 
 # our architecture key → (HF class, model_type)
 HF_NAMES = {
@@ -44,6 +45,11 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
     }
+    if cfg.rope_freq_factors is not None:  # a config.json has no place for them: refuse, never drop them
+        raise ModelFormatError("this model's RoPE frequency factors (a GGUF's rope_freqs.weight) cannot be written "
+                               "to a config.json; quantize its Hugging Face folder (rope_scaling llama3) instead")
+    if cfg.rope_local_scaling:
+        raise ModelFormatError("RoPE scaling of the sliding-window layers cannot be written to this config.json yet")
     if cfg.rope_scaling:
         out["rope_scaling"] = cfg.rope_scaling
     if cfg.arch == "llama":
