@@ -1,22 +1,48 @@
-"""Shared test helpers: catalog models (pulled on first use) and the shared data folder."""
+"""Shared test helpers: catalog models (pulled on first use), the C++ kernels, and the shared data folder.
+
+Strict mode (`strict_mode()`: ``CI`` set to true/1, or ``TURBOLLM_STRICT_TESTS=1``, which ``make test``
+sets) turns what would be an environment skip into a failure with the reason: a C++ kernel build that
+failed (`require_kernels`) and a catalog model that could not be downloaded (`catalog_model_path`).
+Deliberate choices still skip in strict mode: ``TURBOLLM_NO_KERNELS=1`` (kernels off),
+``TURBOLLM_TEST_OFFLINE=1`` (no downloads) and optional models asked for with ``download=False``.
+Outside strict mode a machine without a compiler or network gets skips and one summary line.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+STRICT_HOW = "strict mode: CI=true or TURBOLLM_STRICT_TESTS=1, as `make test` sets"
+FULL_OUTPUT_TEST = "tests/test_kernel_build.py::test_kernels_build_in_strict_mode"
+
+
+def strict_mode() -> bool:
+    """Whether an unavailable kernel build or model download fails the test instead of skipping it.
+
+    ``TURBOLLM_STRICT_TESTS`` decides when set (1/true on, 0/false off); otherwise ``CI`` set to
+    true or 1 (what CI services export) turns it on.
+    """
+    explicit = os.environ.get("TURBOLLM_STRICT_TESTS", "").strip().lower()
+    if explicit:
+        return explicit in ("1", "true", "yes")
+    return os.environ.get("CI", "").strip().lower() in ("1", "true")
 
 
 def catalog_model_path(name: str, download: bool | None = None) -> Path:
     """The GGUF file of catalog model `name`, pulled if missing.
 
     Set TURBOLLM_TEST_OFFLINE=1 to skip model tests instead of downloading; pass
-    download=False for optional models that are only checked when already cached.
+    download=False for optional models that are only checked when already cached. Both skip
+    when the model is not cached, in strict mode too. A failed download (or an unknown name) skips
+    outside strict mode and fails in it, with the resolver's error.
     """
     from turbollm.errors import ModelDownloadError, UnknownModelError
+    from turbollm.hub.catalog import CATALOG
     from turbollm.hub.resolve import resolve_model
 
     if download is None:
@@ -24,4 +50,64 @@ def catalog_model_path(name: str, download: bool | None = None) -> Path:
     try:
         return resolve_model(name, download=download).path
     except (UnknownModelError, ModelDownloadError) as e:
-        pytest.skip(f"model {name} is not available: {e}")
+        reason = f"model {name} is not available: {e}"
+        not_cached_on_purpose = not download and name in CATALOG
+        if strict_mode() and not not_cached_on_purpose:
+            pytest.fail(f"{reason}\n({STRICT_HOW}; TURBOLLM_TEST_OFFLINE=1 skips model tests on purpose)",
+                        pytrace=False)
+        pytest.skip(reason)
+
+
+def first_diagnostic(build_error: str) -> str:
+    """The line of a kernel build error that says what went wrong: the first after the headline that
+    mentions an error (a compiler diagnostic), else the headline."""
+    lines = build_error.splitlines() or [""]
+    return next((line for line in lines[1:] if "error" in line.lower()), lines[0])
+
+
+def require_kernels(full_output: bool = False):
+    """The compiled C++ kernel module; when it is unavailable, skip the calling test, or fail it in
+    strict mode with the build's error (`turbollm.kernels.build_error()`, a summary of the compiler's
+    output): its first diagnostic line, or all of it with `full_output` (the one test that reports
+    it in full: tests/test_kernel_build.py::test_kernels_build_in_strict_mode).
+
+    ``TURBOLLM_NO_KERNELS=1`` switches the kernels off on purpose: that skips in strict mode too.
+    """
+    from turbollm.kernels import build_error, get_kernels
+
+    module = get_kernels()
+    if module is not None:
+        return module
+    if os.environ.get("TURBOLLM_NO_KERNELS") == "1":
+        pytest.skip("C++ kernels disabled on purpose (TURBOLLM_NO_KERNELS=1)")
+    reason = build_error() or "no reason recorded"
+    first = first_diagnostic(reason)
+    if strict_mode():
+        detail = f":\n{reason}" if full_output else f": {first} (full output: {FULL_OUTPUT_TEST})"
+        pytest.fail(f"the C++ kernels could not be built ({STRICT_HOW}){detail}", pytrace=False)
+    pytest.skip(f"C++ kernels could not be built here (the PyTorch reference path is used): {first}")
+
+
+@pytest.fixture
+def needs_kernels():
+    """`require_kernels()` as a fixture: ``pytestmark = pytest.mark.usefixtures("needs_kernels")``."""
+    return require_kernels()
+
+
+def pytest_report_header(config):
+    return (f"turbollm strict tests: {'on' if strict_mode() else 'off'} (CI=true or TURBOLLM_STRICT_TESTS=1, "
+            "as `make test` sets, turns kernel-build and model-download skips into failures)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line when the kernels were tried and are unavailable: disabled on purpose, or (outside strict
+    mode, where their tests were skipped) a failed build."""
+    kernels = sys.modules.get("turbollm.kernels")
+    error = kernels.build_error() if kernels is not None else None
+    if not error:
+        return
+    if os.environ.get("TURBOLLM_NO_KERNELS") == "1":
+        terminalreporter.write_line("turbollm: C++ kernel tests skipped: kernels disabled by TURBOLLM_NO_KERNELS=1")
+    elif not strict_mode():
+        terminalreporter.write_line(f"turbollm: C++ kernel tests skipped, the build failed: {first_diagnostic(error)} "
+                                    f"(this fails the run in {STRICT_HOW})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import require_kernels
 from turbollm.attention import AttentionMetadata
 from turbollm.attention.backend import TorchAttentionBackend, attend_one, gather_kv
 
@@ -58,11 +59,8 @@ def test_mixed_prefill_and_decode_batch():
 @pytest.mark.parametrize("Hq,Hk,D", [(6, 2, 8), (4, 1, 32), (3, 3, 20)])
 def test_cpu_kernel_matches_reference(window, softcap, Hq, Hk, D):
     from turbollm.attention.backend import attend_decode_batch
-    from turbollm.kernels import get_kernels
 
-    kernels = get_kernels()
-    if kernels is None:
-        pytest.skip("C++ kernels could not be built here (the reference path is used)")
+    kernels = require_kernels()
     lens = [1, 7, 16, 17, 40, 3]
     q, kc, vc, meta = _random_paged(lens, [1] * len(lens), Hq, Hk, D, 4, seed=3)
     got = kernels.paged_decode_attention(q.contiguous(), kc, vc, meta.block_tables, torch.tensor(lens), 0.3,
@@ -86,11 +84,8 @@ def test_cpu_kernel_long_contexts_match_reference(Hq, Hk, D, window, dtype):
     """Contexts spanning several of the kernel's 256-position chunks, at the catalog's head sizes
     (vectorized score, exp and value paths; chunk merging; windows that start mid-chunk)."""
     from turbollm.attention.backend import attend_decode_batch
-    from turbollm.kernels import get_kernels
 
-    kernels = get_kernels()
-    if kernels is None:
-        pytest.skip("C++ kernels could not be built here (the reference path is used)")
+    kernels = require_kernels()
     lens = [600, 257, 256, 9, 1]
     q, kc, vc, meta = _random_paged(lens, [1] * len(lens), Hq, Hk, D, 16, seed=5)
     kc, vc = kc.to(dtype), vc.to(dtype)  # float16: the reference widens the same stored values
@@ -109,9 +104,8 @@ def test_cpu_backend_write_kv_matches_reference():
     the plain index_copy_ path, and rejects a slot outside the cache."""
     from turbollm.attention.backend import AttentionBackend, CPUKernelAttentionBackend
 
+    require_kernels()
     backend = CPUKernelAttentionBackend()
-    if backend.kernels is None:
-        pytest.skip("C++ kernels could not be built here (the reference path is used)")
     g = torch.Generator().manual_seed(6)
     T, Hk, D, nb, bs = 5, 2, 8, 4, 4
     qkv = torch.randn(T, 3 * Hk * D, generator=g)

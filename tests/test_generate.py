@@ -108,12 +108,26 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 
 
 def test_stop_string_and_max_tokens(llm):
-    p = SamplingParams(temperature=0, max_tokens=40, stop=["."], ignore_eos=True)
-    c = llm.generate(["Write a sentence about cats"], p, use_tqdm=False)[0].outputs[0]
-    if c.finish_reason == "stop":
-        assert c.stop_reason == "." and "." not in c.text
-    else:
-        assert c.finish_reason == "length" and len(c.token_ids) == 40
+    """A stop string taken from the middle of the model's own greedy output (so it surely occurs)
+    cuts the output right before its first occurrence: text = the greedy text up to it, tokens = the
+    greedy tokens up to the one that completed it, finish_reason "stop", stop_reason the string.
+    Then max_tokens ends a request with finish_reason "length" after exactly that many tokens."""
+    prompt, tok = "Write a sentence about cats", llm.get_tokenizer()
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = free.text
+    # the first 6-character window from the middle on that starts a word and occurs nowhere earlier
+    at = next((i for i in range(len(text) // 2, len(text) - 6)
+               if text[i - 1] == " " and not text[i].isspace() and text.find(text[i:i + 6]) == i), None)
+    assert at is not None, f"no usable stop string in the second half of {text!r}"
+    stop = text[at:at + 6]
+    c = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[:at]
+    n = len(c.token_ids)
+    assert n < len(free.token_ids) and c.token_ids == free.token_ids[:n]
+    assert stop in tok.decode(c.token_ids) and stop not in tok.decode(c.token_ids[:-1])
     c = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                      use_tqdm=False)[0].outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 5
@@ -146,5 +160,15 @@ def test_chat_uses_template(llm):
     assert out.outputs[0].token_ids
 
 
-def test_torch_threads_untouched_by_default(llm):
-    assert torch.get_num_threads() >= 1
+def test_torch_threads_untouched_by_default():
+    """An engine built (and stepped) without `threads` leaves torch's thread count exactly as it was:
+    set to a value no default could pick (one more than torch's own), it is still that value after."""
+    before = torch.get_num_threads()
+    known = before + 1
+    torch.set_num_threads(known)
+    try:
+        llm = LLM(str(catalog_model_path("smollm2-135m")), kv_cache_memory=16 << 20, quantization="none")
+        llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        assert torch.get_num_threads() == known
+    finally:
+        torch.set_num_threads(before)
