@@ -227,3 +227,18 @@ def test_server_on_a_tiny_pool_answers_instead_of_hanging(tiny):
     choice = ok.json()["choices"][0]
     assert choice["finish_reason"] == "length" and ok.json()["usage"]["total_tokens"] == 64
     assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_final_text_extends_what_was_streamed(tiny):
+    """Every intermediate text is a prefix of the final one. Before: the final text was a fresh decode of the
+    output alone, while the increments were decoded with the prompt as context; for a vocabulary whose
+    decode joins or strips spaces (SentencePiece's leading '▁', this WordLevel one) the final text lost the
+    first space the stream had already sent."""
+    eng = engine(tiny)
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0), "r")
+    texts = []
+    while eng.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in eng.step()]
+    assert len(texts) == 6 and texts[-1].strip()
+    for earlier in texts[:-1]:
+        assert texts[-1].startswith(earlier), (earlier, texts[-1])

@@ -4,7 +4,8 @@ Byte-level vocabularies split one character (a CJK ideograph, an emoji) over sev
 tokens; decoding them one by one would yield U+FFFD. We keep a window of recent tokens:
 text is released only once the window decodes to something that does not end in a
 replacement character, and decoding the window with a few tokens of left context keeps
-leading spaces right for SentencePiece vocabularies.
+leading spaces right for SentencePiece vocabularies. `flush()` releases what is held back when
+the sequence ends, so the final text is the streamed text plus that tail, never a different decode.
 """
 
 from __future__ import annotations
@@ -33,3 +34,11 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return new
         return ""
+
+    def flush(self) -> str:
+        """The text still held back (a character cut by the end of the sequence), released as it decodes."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""

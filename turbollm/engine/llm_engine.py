@@ -285,9 +285,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if not isinstance(stop_reason, str):
-            # Release what the incremental detokenizer held back (a character cut by max_tokens):
-            # the final text is exactly the full decode of the output.
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            # Release what the incremental detokenizer held back (a character cut by max_tokens). The
+            # text stays the one streamed so far plus that tail: decoding the output alone would drop
+            # a SentencePiece first token's leading space that the stream (decoded with the prompt
+            # as context) has already sent.
+            seq.text += seq.detokenizer.flush()
         self.scheduler.finish(seq)
 
     def _piece(self, token_id: int) -> str:
