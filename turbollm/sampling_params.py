@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # added to the logits before sampling, per token id (OpenAI's logit_bias: values in [-100, 100])
+    logit_bias: dict[int, float] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,12 +88,31 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"token ids must be >= 0, got {min(self.stop_token_ids)}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", f"must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:  # JSON object keys are strings ("1234")
+                    t = int(k)
+                except (TypeError, ValueError):
+                    raise bad("logit_bias", f"keys must be token ids, got {k!r}") from None
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    raise bad("logit_bias", f"values must be numbers in [-100, 100], got {v!r} for token {k}")
+                if t < 0:
+                    raise bad("logit_bias", f"token ids must be >= 0, got {t}")
+                bias[t] = float(v)
+            self.logit_bias = bias or None
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise InvalidRequestError if a token id the request names is outside [0, vocab_size)."""
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise InvalidRequestError(f"SamplingParams.stop_token_ids: token id {t} is outside the "
+                                          f"vocabulary [0, {vocab_size})")
+        for t in self.logit_bias or {}:
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"SamplingParams.logit_bias: token id {t} is outside the "
                                           f"vocabulary [0, {vocab_size})")
 
     @property

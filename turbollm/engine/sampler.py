@@ -1,6 +1,6 @@
 """The sampler: logits → next tokens, per-request parameters applied row by row.
 
-Order: penalties (repetition, presence, frequency) on the raw logits, `min_tokens`
+Order: penalties (repetition, presence, frequency) and `logit_bias` on the raw logits, `min_tokens`
 (end tokens masked), temperature, top-k, top-p, min-p, then a draw from each request's own
 generator (seeded requests give the same tokens whatever else is in the batch). Greedy
 requests take the argmax. Logprobs are those of the raw model distribution (before any
@@ -44,6 +44,9 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
         ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.int64).unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     return logits
 
 

@@ -21,11 +21,12 @@ from fastapi.responses import Response
 from turbollm.entrypoints.async_engine import AsyncLLMEngine
 from turbollm.server.chat import create_chat_completion
 from turbollm.server.completions import create_completion
-from turbollm.server.errors import APIError, bad_request, error_body, install_error_handlers
+from turbollm.server.errors import (APIError, bad_request, error_body, error_responses, install_error_handlers,
+                                    use_error_schemas)
 from turbollm.server.metrics import CONTENT_TYPE, ServerMetrics
 from turbollm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
-from turbollm.server.serving import ServingContext
+from turbollm.server.serving import ServingContext, off_loop
 
 
 @dataclass
@@ -112,11 +113,11 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     app.add_middleware(_Guard, max_bytes=int(getattr(s, "max_request_bytes", 4 << 20)),
                        api_key=getattr(s, "api_key", None) or None)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=error_responses(400, 401, 404, 413, 503))
     async def completions(req: CompletionRequest, request: Request):
         return await create_completion(ctx, req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 413, 503))
     async def chat(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(ctx, req, request)
 
@@ -126,11 +127,11 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
             {"id": n, "object": "model", "created": created, "owned_by": "turbollm", "root": names[0],
              "max_model_len": ctx.max_model_len} for n in names]}
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health():
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @app.get("/version")
     async def version():
@@ -140,27 +141,36 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 404, 413))
     async def tokenize(req: TokenizeRequest):
         if req.model is not None:
             ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         if req.prompt is not None:
-            ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             if not req.messages:
                 raise bad_request("'messages' is empty", "messages")
-            ids = ctx.render_chat(req.messages, req.add_generation_prompt)
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": ctx.max_model_len}
+            ids = await ctx.render_chat(req.messages, req.add_generation_prompt)
+        body = {"tokens": list(ids), "count": len(ids), "max_model_len": ctx.max_model_len}
+        # serialized in the worker thread too: FastAPI's encoder walks a long token list in Python on the loop
+        return Response(await off_loop(json.dumps, body), media_type="application/json")
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 404, 413))
     async def detokenize(req: DetokenizeRequest):
         if req.model is not None:
             ctx.check_model(req.model)
         for t in req.tokens:
             if not 0 <= t < ctx.vocab_size:
                 raise bad_request(f"token id {t} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
-        return {"prompt": ctx.tokenizer.decode(req.tokens)}
+        return {"prompt": await off_loop(ctx.tokenizer.decode, req.tokens)}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The tokenizer's special tokens and chat template (vLLM's endpoint; lm-evaluation-harness's
+        remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+        return ctx.tokenizer_info()
+
+    use_error_schemas(app)
     return app

@@ -35,13 +35,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     model = ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    ids = ctx.render_chat(req.messages, req.add_generation_prompt)
+    ids = await ctx.render_chat(req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     ctx.check_length(len(ids), max_tokens, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, k)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    slot = ctx.admit(1)
+    slot = ctx.admit(req.n)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(ctx, slot, ids, params, rid, created, model, req.n, k, include_usage),

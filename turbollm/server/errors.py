@@ -13,7 +13,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turbollm.errors import InvalidRequestError
@@ -34,6 +36,52 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {400: "Invalid request (the field is named in error.param)", 401: "Missing or wrong API key",
+                 404: "Unknown model", 413: "Request body over --max-request-bytes",
+                 500: "Server error", 503: "Server at capacity (Retry-After) or engine not running"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` for a route: the error statuses it answers, each with the error body schema."""
+    return {s: {"model": ErrorResponse, "description": _DESCRIPTIONS[s]} for s in statuses}
+
+
+def use_error_schemas(app: FastAPI) -> None:
+    """Make the OpenAPI schema say what the server answers: a validation error is a 400 with the OpenAI
+    error body (the handler below), never FastAPI's 422, so 422 is taken out of every route."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    if isinstance(op, dict) and "422" in op.get("responses", {}):
+                        bad = op["responses"].pop("422")
+                        op["responses"].setdefault("400", {**bad, "description": _DESCRIPTIONS[400],
+                                                           "content": {"application/json": {"schema": {
+                                                               "$ref": "#/components/schemas/ErrorResponse"}}}})
+            schemas = schema.get("components", {}).get("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -104,3 +104,8 @@ class RequestTimer:
         self.m.generation_tokens.labels(name).inc(sum(len(c.token_ids) for c in out.outputs))
         for c in out.outputs:
             self.m.request_success.labels(name, c.finish_reason or "abort").inc()
+
+    def on_unfinished(self, n: int, reason: str) -> None:
+        """A request whose stream ended before its final output (the client disconnected: "abort"; the engine
+        failed it: "error"): its n completions are counted under that finish reason."""
+        self.m.request_success.labels(self.m.model_name, reason).inc(n)

@@ -33,7 +33,8 @@ class SamplingFields(OpenAIModel):
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    seed: StrictInt | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -51,8 +52,9 @@ Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0 only with echo (checked by the endpoint)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
 

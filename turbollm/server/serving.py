@@ -1,22 +1,35 @@
 """What every endpoint shares: model names, admission, prompt checks, SamplingParams, engine streams.
 
 `ServingContext` owns the AsyncLLMEngine handle, the served model names, the bounded
-admission count (`--max-waiting-requests`) and the metrics. `generate()` is one engine
-request as an async iterator of RequestOutputs that records metrics and always closes its
-stream (closing an unfinished stream aborts the request and returns its KV blocks).
+admission count (`--max-waiting-requests`, counted in engine sequences: a request of p prompts
+with n samples each takes p x n) and the metrics. `generate()` is one engine request as an
+async iterator of RequestOutputs that records metrics and always closes its stream (closing an
+unfinished stream aborts the request and returns its KV blocks).
+
+CPU-bound work a request brings (tokenizing a body of up to `--max-request-bytes`, rendering a
+chat template, detokenizing) runs in a worker thread (`off_loop`), never on the event loop that
+feeds every open stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from turbollm.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
+from turbollm.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from turbollm.outputs import RequestOutput
 from turbollm.sampling_params import SamplingParams
 from turbollm.server.errors import APIError, bad_request
 from turbollm.server.metrics import RequestTimer, ServerMetrics
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """Run `fn(*args, **kw)` in a worker thread, so the event loop keeps serving the open streams."""
+    return await asyncio.to_thread(fn, *args, **kw)
+
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -31,7 +44,7 @@ class ServingContext:
         self.vocab_size = aengine.engine.config.vocab_size
         self.served_names = served_names
         self.metrics = metrics
-        self.in_flight = 0  # engine requests admitted and not yet done (event-loop thread only)
+        self.in_flight = 0  # engine sequences (prompts x n) admitted and not yet done (event-loop thread only)
         max_seqs = aengine.engine.args.max_num_seqs
         self.capacity = None if max_waiting_requests is None else max_seqs + max_waiting_requests
 
@@ -43,12 +56,16 @@ class ServingContext:
         return name
 
     def admit(self, k: int) -> "Slot":
-        """Take k request slots or raise 503 (queue full); release them with `Slot.release()`."""
+        """Take k sequence slots (prompts x n) or raise 503 (queue full; 400 when k could never fit);
+        release them with `Slot.release()`."""
         if not self.aengine.is_running:
             raise APIError(503, "the engine is shutting down", code="engine_unavailable")
+        if self.capacity is not None and k > self.capacity:
+            raise bad_request(f"the request needs {k} sequences (prompts x n) but the server admits at most "
+                              f"{self.capacity} at once", "n")
         if self.capacity is not None and self.in_flight + k > self.capacity:
             self.metrics.rejected.labels(self.metrics.model_name).inc()
-            raise APIError(503, f"the server is at capacity ({self.in_flight} requests in flight, "
+            raise APIError(503, f"the server is at capacity ({self.in_flight} sequences in flight, "
                                 f"limit {self.capacity}); retry later", code="queue_full",
                            headers={"Retry-After": "1"})
         self.in_flight += k
@@ -74,39 +91,69 @@ class ServingContext:
                               f"were requested ({n_prompt} in the prompt, {max_tokens} for the completion); "
                               "lower max_tokens or the prompt", "max_tokens", "context_length_exceeded")
 
-    def render_chat(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (in a worker thread)."""
+        return list(await off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+
+    async def render_chat(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
+        """The chat template applied to `messages`, as checked token ids (in a worker thread)."""
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = await off_loop(self.tokenizer.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt,
+                             tokenize=True)
         return self.check_ids(list(ids), "messages")
 
-    @staticmethod
-    def sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What vLLM's /tokenizer_info gives: the special tokens' texts, the chat template, the context."""
+        tok = self.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "add_bos_token": tok.add_bos_token, "add_eos_token": tok.add_eos_token,
+                "chat_template": tok.chat_template, "model_max_length": self.max_model_len,
+                "vocab_size": tok.vocab_size}
+
+    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
+        """The request's SamplingParams (`extra`: more SamplingParams fields, e.g. prompt_logprobs), its token
+        ids checked against the vocabulary here, before a stream starts."""
         kw: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                   stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+                                  skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                                  logit_bias=req.logit_bias)
         for name in _OPTIONAL:
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw, **extra)
+        params.check_token_ids(self.vocab_size)
+        return params
 
     # ------------------------------------------------------------------ engine
     async def generate(self, ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(self.metrics, time.monotonic())
         stream = self.aengine.generate({"prompt_token_ids": ids}, params, request_id)
+        ended = "abort"  # how a request that never finished is counted: the client left, or an error
         try:
             async for out in stream:
                 now = time.monotonic()
                 timer.on_output(out, now)
                 if out.finished:
                     timer.on_finish(out, now)
+                    ended = ""
                 yield out
         except EngineDeadError as e:
+            ended = "error"
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from e
+        except RequestFailedError as e:  # this request alone failed inside the engine
+            ended = "error"
+            raise APIError(500, str(e), code="request_failed") from e
+        except EngineStepError as e:
+            ended = "error"
+            raise APIError(500, f"the engine step failed: {e.__cause__ or e}", code="engine_error") from e
         finally:
+            if ended:
+                timer.on_unfinished(params.n, ended)
             await stream.aclose()
 
     async def final_output(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestOutput:
