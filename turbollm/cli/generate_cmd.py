@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict
 
 from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
+from turbollm.errors import InvalidRequestError
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +42,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         print("turbollm generate: give at least one --prompt or --prompts-file", file=sys.stderr)
         return 2
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:  # checked before the model and its KV cache load, not after
+        raise InvalidRequestError(f"prompt {empty[0] + 1} is empty; give some text to complete")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             min_p=ns.min_p, stop=ns.stop, logprobs=ns.logprobs, prompt_logprobs=ns.prompt_logprobs,
                             ignore_eos=ns.ignore_eos, seed=ns.seed)

@@ -28,9 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command `ns` names (`turbollm bench latency` -> bench's latency parser)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(ns, subs[0].dest, None) if subs else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's own parser: its usage line, not the top-level one
+        chosen_parser(parser, ns).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2
