@@ -81,7 +81,7 @@ class Case:
             scale = torch.rand(n, generator=gen) * 0.01
             return (w, scale), w.float() * scale[:, None]
         if self.qtype in (Q.INT4_GROUPWISE, Q.INT3_GROUPWISE):
-            from turbollm.quantization.packing import pack_3bit, pack_nibbles
+            from turbollm.formats.packing import pack_3bit, pack_nibbles
 
             bits = 4 if self.qtype == Q.INT4_GROUPWISE else 3
             codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T
 from turbollm.formats.ggml_types import dequantize
 from turbollm.formats.gguf_file import read_gguf
 from turbollm.quantize import gguf_export
-from turbollm.quantize.ggml_quantizers import SUPPORTED_TYPES, quantize
+from turbollm.formats.ggml_quantizers import SUPPORTED_TYPES, quantize
 from turbollm.quantize.gguf_export import GGUFExportError, UnsupportedExportSourceError, export_gguf
 from turbollm.quantize.gguf_mixes import FILE_TYPES, plan_tensor_types
 

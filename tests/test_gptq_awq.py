@@ -31,13 +31,14 @@ from turbollm.eval.parity import score  # noqa: E402
 from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
+from turbollm.models.layer_runner import CalibrationRunner, get_adapter  # noqa: E402
 from turbollm.quantization.checkpoint_layouts import get_layout  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import layer_codes  # noqa: E402
-from turbollm.quantize.awq import AWQAlgorithm, branch_error, candidate_scales, fold_scales  # noqa: E402
+from turbollm.quantization.scale_folding import fold_scales  # noqa: E402
+from turbollm.quantize.awq import AWQAlgorithm, branch_error, candidate_scales  # noqa: E402
 from turbollm.quantize.export_safetensors import write_quantized_folder  # noqa: E402
 from turbollm.quantize.gptq import GPTQAlgorithm  # noqa: E402
-from turbollm.quantize.layer_runner import CalibrationRunner, get_adapter  # noqa: E402
 from turbollm.quantize.methods import QUANTIZE_METHODS, QuantizeOptions  # noqa: E402
 from turbollm.quantize.pipeline import quantize_decoder  # noqa: E402
 from turbollm.quantize.rtn import rtn_decoder  # noqa: E402

@@ -123,7 +123,7 @@ def test_int4_groupwise(group):
 def test_int3_groupwise(group):
     """3-bit codes packed 12 bytes per 32 (packing.pack_3bit): N odd, several K, M on both sides of
     the q8 / dequant crossover; the codes take all 8 values, the zero points the whole 0..7."""
-    from turbollm.quantization.packing import pack_3bit
+    from turbollm.formats.packing import pack_3bit
 
     gen = torch.Generator().manual_seed(100 + group)
     n = 37

@@ -31,6 +31,8 @@ from quant_tiny import build_tiny, calibration_text, token_windows  # noqa: E402
 from quant_tiny import one_thread_exact_matmul  # noqa: E402,F401 (autouse fixture)
 from turbollm.errors import InvalidRequestError, ModelFormatError, WeightLoadError  # noqa: E402
 from turbollm.eval.parity import score  # noqa: E402
+from turbollm.formats.packing import (pack_3bit, pack_awq, pack_int32, pack_nibbles, unpack_3bit,  # noqa: E402
+                                     unpack_awq, unpack_int32, unpack_nibbles)
 from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
@@ -38,8 +40,6 @@ from turbollm.quantization.footprint import format_bytes  # noqa: E402
 from turbollm.quantization.equalize import equalize_decoder  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, int8_per_channel, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import Int4LinearMethod, layer_codes, set_int4_weight  # noqa: E402
-from turbollm.quantization.packing import (pack_3bit, pack_awq, pack_int32, pack_nibbles, unpack_3bit,  # noqa: E402
-                                           unpack_awq, unpack_int32, unpack_nibbles)
 from turbollm.quantize.methods import QuantizeOptions  # noqa: E402
 from turbollm.quantize.runner import run_quantize  # noqa: E402
 

@@ -15,7 +15,7 @@ Conventions
   float16 and ``zeros`` uint8 ``[N, K // group]`` (other dtypes are converted per call);
   W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
 - int3 group-wise: the same with 3-bit codes packed 12 bytes per 32 (``packed`` uint8
-  ``[N, K // 32 * 12]``, ``quantization.packing.pack_3bit``; K a multiple of 32).
+  ``[N, K // 32 * 12]``, ``formats.packing.pack_3bit``; K a multiple of 32).
 
 Four kernel paths compute a product:
 - ``q8``: x is quantized to int8 with an fp32 scale per block of 32 values (legacy types, int8,
@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from turbollm.formats.ggml_types import dequantize, dequantize_rows
+from turbollm.formats.packing import unpack_3bit
 from turbollm.kernels import get_quant_kernels
 
 #: Type ids of the non-GGML formats in the C++ kernel table.
@@ -298,8 +299,6 @@ def int3_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 def int3_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
     """Reference of ``int3_dequantize``."""
-    from turbollm.quantization.packing import unpack_3bit  # not at import: turbollm.quantization imports us
-
     return _apply_groups(unpack_3bit(packed), scales, zeros, group)
 
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbollm.errors import WeightLoadError
+from turbollm.formats.ggml_quantizers import get_quantizer, quantize
 from turbollm.kernels.dense import dense_linear
 from turbollm.kernels.quant import ggml_embedding, ggml_linear
-from turbollm.layers.linear import copy_checked
-from turbollm.quantization.qtensor import QuantizedTensor, mark_ggml
+from turbollm.quantization.qtensor import QuantizedTensor, copy_checked, mark_ggml
 
 
 class VocabEmbedding(nn.Module):
@@ -53,8 +53,6 @@ class VocabEmbedding(nn.Module):
 
     def compress(self, qtype: int) -> bool:
         """Re-encode a dense table as GGML blocks of `qtype` (our encoder); False if the rows don't fit its blocks."""
-        from turbollm.quantize.ggml_quantizers import get_quantizer, quantize
-
         if self.qtype is not None or self.dim % get_quantizer(qtype).block_size:
             return False
         blocks = torch.from_numpy(quantize(self.weight.data, qtype, tensor_name=type(self).__name__.lower()))

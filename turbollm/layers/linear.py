@@ -18,16 +18,9 @@ from torch import nn
 from turbollm.distributed import divide, get_tp
 from turbollm.errors import WeightLoadError
 from turbollm.quantization import LinearMethod, QuantizedTensor, UnquantizedLinearMethod
-from turbollm.quantization.qtensor import as_dense
+from turbollm.quantization.qtensor import as_dense, copy_checked
 
 Loaded = torch.Tensor | QuantizedTensor
-
-
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-    """Copy `loaded` into `param`, or raise a WeightLoadError naming both shapes."""
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise WeightLoadError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
-    param.data.copy_(loaded)
 
 
 class LinearBase(nn.Module):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from turbollm.kernels import cpu_kernels
+from turbollm.quantization.qtensor import copy_checked
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +27,6 @@ class RMSNorm(nn.Module):
         self.weight.hf_weight_loader = self._load_hf
 
     def _load_hf(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        from turbollm.layers.linear import copy_checked
-
         copy_checked(param, loaded.float() + self.weight_offset if self.weight_offset else loaded, "norm weight")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

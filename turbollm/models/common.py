@@ -22,14 +22,14 @@ from turbollm.errors import WeightLoadError
 from turbollm.layers.activation import GatedActivation
 from turbollm.layers.attention import Attention
 from turbollm.layers.embedding import LMHead, VocabEmbedding
-from turbollm.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                    copy_checked)
+from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
 from turbollm.models import decode_step
 from turbollm.models.forward_batch import ForwardBatch
+from turbollm.models.layer_runner import Branch, CalibrationRunner, get_adapter
 from turbollm.quantization import LinearMethod, QuantizedTensor
-from turbollm.quantization.qtensor import as_dense
+from turbollm.quantization.qtensor import as_dense, copy_checked
 
 
 class SelfAttention(nn.Module):
@@ -112,6 +112,18 @@ class CausalLM(nn.Module):
         """The final logit soft-cap, where the architecture has one (identity otherwise)."""
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    def residual_branches(self) -> list[Branch]:
+        """Every decoder layer's residual branches in order (`layer_runner.Branch`), for cross-layer
+        transforms handed the model (the int8 method's channel equalization). Raises
+        UnsupportedArchitectureError for an architecture without a branch adapter."""
+        adapter = get_adapter(self.config.arch)
+        return [br for layer in self.model.layers for br in adapter.branches(layer)]
+
+    def forward_windows(self, windows: torch.Tensor) -> torch.Tensor:
+        """Hidden states of token windows ``[S, L]`` (each one causal sequence) on a scratch KV cache,
+        without an engine: for passes that only watch the layers (calibration hooks)."""
+        return self(CalibrationRunner(self, windows, tokens_per_batch=windows.numel()).batches[0][1])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], *, hf_layout: bool,
                      source: str = "checkpoint") -> None:

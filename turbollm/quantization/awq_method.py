@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from turbollm.errors import ModelFormatError
+from turbollm.formats.packing import pack_awq, pack_nibbles, unpack_awq
 from turbollm.quantization.base import register_linear_method
 from turbollm.quantization.checkpoint_layouts import (CheckpointOnlyMethod, LayoutConfig, QuantLayout, check_choice,
                                                       config_int, register_layout)
 from turbollm.quantization.group_quant import QuantizedWeight
 from turbollm.quantization.int4_method import Int4LinearMethod
-from turbollm.quantization.packing import pack_awq, pack_nibbles, unpack_awq
 
 
 class AWQLayout(QuantLayout):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from turbollm.errors import InvalidRequestError
 from turbollm.kernels.dense import dense_linear
-from turbollm.quantization.qtensor import QuantizedTensor, as_dense
+from turbollm.quantization.qtensor import QuantizedTensor, as_dense, copy_checked
 
 LINEAR_METHODS: dict[str, type["LinearMethod"]] = {}
 
@@ -68,8 +68,6 @@ class LinearMethod:
 
         Default: copy into the dense `layer.weight` (a QuantizedTensor is decoded first).
         """
-        from turbollm.layers.linear import copy_checked
-
         loaded = as_dense(loaded)
         copy_checked(layer.weight.data.narrow(0, row_offset, loaded.shape[0]), loaded, what)
 
@@ -100,6 +98,13 @@ class LinearMethod:
         in-memory layout differs from the format they implement override it.
         """
         return 8.0 * self.weight_bytes(layer) / (layer.in_features * layer.out_features)
+
+
+def linear_layers(model: nn.Module) -> Iterator[nn.Module]:
+    """The modules of `model` whose weight a LinearMethod holds (`layers.linear.LinearBase` and its
+    subclasses, known by their `method`: this package sits below `turbollm.layers` and does not
+    import it), in `model.modules()` order."""
+    return (m for m in model.modules() if isinstance(getattr(m, "method", None), LinearMethod))
 
 
 @register_linear_method("none")

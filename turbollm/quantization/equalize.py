@@ -33,8 +33,11 @@ includes ``c = 1``; the one with the least ``E`` is kept, so the estimate never 
 
 Searches run on the weights as loaded: scaling a branch's feeder rows (second side) does not
 change how those rows round (per-row steps), so the two sides of a branch are chosen
-independently and then both folded. Architectures are described by the offline quantizers'
-branch adapters (`turbollm.quantize.layer_runner`). Measured effect: docs/QUANTIZATION.md.
+independently and then both folded (`scale_folding.py`). The model describes its own branches
+(`CausalLM.residual_branches`, from the branch adapters of `models/layer_runner.py`, shared with the
+offline quantizers) and runs the synthetic sequence (`CalibrationRunner` behind
+`CausalLM.forward_windows`): this package sits below the models and imports none of them.
+Measured effect: docs/QUANTIZATION.md.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from turbollm.quantization.scale_folding import expand_group, fold_scales, reduce_group
 
 #: α (how much a column's largest weight is pulled in) and β (how much the column's input size
 #: pushes it out) tried by `search_column_scales`; (0, 0) is "no equalization".
@@ -107,8 +112,6 @@ def search_column_scales(w: torch.Tensor, a: torch.Tensor | None = None, group: 
     heads of ``head_dim`` per KV head and the returned scales are per *KV-head channel*
     (``cols / group``), expanded over the group for the error (GQA feeder rows).
     """
-    from turbollm.quantize.layer_runner import expand_group, reduce_group
-
     w = w.float()
     absw = w.abs()
     cols = w.shape[1]
@@ -146,8 +149,6 @@ def synthetic_input_rms(model: nn.Module, branches: list, tokens: int = SYNTH_TO
                         seed: int = SYNTH_SEED) -> dict[int, torch.Tensor]:
     """RMS per input channel of each branch's two linears (keyed by ``id(linear)``) over one
     sequence of `tokens` random token ids (BOS first when the model has one) through `model`."""
-    from turbollm.quantize.layer_runner import CalibrationRunner
-
     cfg = model.config
     tokens = min(tokens, cfg.max_position_embeddings)
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
@@ -161,7 +162,7 @@ def synthetic_input_rms(model: nn.Module, branches: list, tokens: int = SYNTH_TO
 
     handles = [lin.register_forward_pre_hook(hook) for br in branches for lin in (br.first, br.second)]
     try:
-        model(CalibrationRunner(model, ids, tokens_per_batch=tokens).batches[0][1])
+        model.forward_windows(ids)
     finally:
         for h in handles:
             h.remove()
@@ -175,10 +176,7 @@ def equalize_decoder(model: nn.Module) -> EqualizeReport:
     The model's linears must still compute in float (before any rounding). Raises
     UnsupportedArchitectureError for an architecture without a branch adapter.
     """
-    from turbollm.quantize.layer_runner import fold_scales, get_adapter
-
-    adapter = get_adapter(model.config.arch)
-    branches = [br for layer in model.model.layers for br in adapter.branches(layer)]
+    branches = model.residual_branches()
     rms = synthetic_input_rms(model, branches)
     report = EqualizeReport()
     for br in branches:

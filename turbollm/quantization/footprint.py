@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from turbollm.quantization.base import linear_layers
+
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
@@ -21,16 +23,13 @@ def _ptr(t: torch.Tensor) -> int:
 
 def format_bytes(model: torch.nn.Module) -> float:
     """Bytes of `model`'s weights by their formats' definitions (each storage counted once)."""
-    from turbollm.layers.linear import LinearBase
-
     covered: set[int] = set()
     total = 0.0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            total += module.method.format_bits(module) * module.in_features * module.out_features / 8
-            if module.bias is not None:
-                total += module.bias.numel() * module.bias.element_size()
-            covered.update(_ptr(p) for p in module.parameters())  # weight_parts too
+    for module in linear_layers(model):
+        total += module.method.format_bits(module) * module.in_features * module.out_features / 8
+        if module.bias is not None:
+            total += module.bias.numel() * module.bias.element_size()
+        covered.update(_ptr(p) for p in module.parameters())  # weight_parts too
     for t in [*model.parameters(), *model.buffers()]:
         if t.device.type != "meta" and _ptr(t) not in covered:
             total += t.untyped_storage().nbytes()

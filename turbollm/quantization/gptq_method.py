@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from turbollm.errors import ModelFormatError
+from turbollm.formats.packing import pack_int32, unpack_int32
 from turbollm.quantization.base import register_linear_method
 from turbollm.quantization.checkpoint_layouts import (CheckpointOnlyMethod, LayoutConfig, QuantLayout, check_choice,
                                                       config_int, register_layout)
 from turbollm.quantization.group_quant import QuantizedWeight
 from turbollm.quantization.int4_method import Int4LinearMethod, pack_codes
 from turbollm.quantization.int8_method import Int8LinearMethod
-from turbollm.quantization.packing import pack_int32, unpack_int32
 
 GPTQ_BITS = (2, 3, 4, 8)
 

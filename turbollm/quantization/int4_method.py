@@ -29,11 +29,11 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from turbollm.errors import InvalidRequestError, WeightLoadError
+from turbollm.formats.packing import pack_3bit, pack_nibbles, unpack_3bit, unpack_nibbles
 from turbollm.kernels.quant import (INT3_GROUPWISE, INT4_GROUPWISE, groupwise_kernel_path, groupwise_meta, int3_linear,
                                    int4_linear)
 from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
-from turbollm.quantization.packing import pack_3bit, pack_nibbles, unpack_3bit, unpack_nibbles
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128

@@ -26,7 +26,7 @@ from torch import nn
 
 from turbollm.kernels.quant import INT8_PER_CHANNEL, int8_kernel_path, int8_linear, int8_scale
 from turbollm.log import init_logger
-from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
+from turbollm.quantization.base import DecodeParts, LinearMethod, linear_layers, register_linear_method
 from turbollm.quantization.group_quant import int8_per_channel
 
 
@@ -104,6 +104,4 @@ class Int8RTNLinearMethod(Int8LinearMethod):
 
 
 def _has_int8_layers(model: nn.Module) -> bool:
-    from turbollm.layers.linear import LinearBase
-
-    return any(isinstance(m, LinearBase) and m.weight.dtype == torch.int8 for m in model.modules())
+    return any(m.weight.dtype == torch.int8 for m in linear_layers(model))

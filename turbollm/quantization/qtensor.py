@@ -111,6 +111,13 @@ def as_dense(t: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
 
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """Copy `loaded` into `param`, or raise a WeightLoadError naming both shapes."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise WeightLoadError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
 def mark_ggml(param: torch.Tensor, qtype: int) -> torch.Tensor:
     """Tag a parameter holding raw GGML blocks with its type (read by `storage_summary`)."""
     param.ggml_qtype = int(qtype)

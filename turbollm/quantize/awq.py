@@ -57,8 +57,9 @@ from typing import Callable, Iterator
 import torch
 
 from turbollm.models.forward_batch import ForwardBatch
+from turbollm.models.layer_runner import Branch, CalibrationRunner
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
-from turbollm.quantize.layer_runner import Branch, CalibrationRunner, fold_scales
+from turbollm.quantization.scale_folding import fold_scales
 from turbollm.quantize.pipeline import BranchAlgorithm
 
 N_GRID = 20

@@ -3,7 +3,7 @@
 ``export_gguf(model, out, ftype)`` is what ``turbollm quantize MODEL --method gguf --type T
 --out FILE.gguf`` runs. The source is a catalog name or a GGUF file: every tensor the mix
 (``gguf_mixes``) quantizes is decoded to float32 (``formats.ggml_types.dequantize``) and
-encoded with our block encoders (``ggml_quantizers``) - unless the mix picks the type it is
+encoded with our block encoders (``formats.ggml_quantizers``) - unless the mix picks the type it is
 already stored in, which llama.cpp copies unchanged and so do we. Tensors the mix leaves
 alone (norms, biases, any 1-D tensor) keep their stored bytes. Names, shapes and row order
 stay as in the source (its Q/K rows are already in llama.cpp's RoPE order).
@@ -121,9 +121,8 @@ def _raw_bytes(t) -> np.ndarray:
 
 def _encode(t, qtype: GGMLQuantizationType) -> np.ndarray:
     """Decode source tensor ``t`` to float32 and encode it as ``qtype``."""
+    from turbollm.formats.ggml_quantizers import quantize
     from turbollm.formats.ggml_types import dequantize
-
-    from .ggml_quantizers import quantize
 
     weights = dequantize(t.data, t.qtype, t.shape, tensor_name=t.name)
     return quantize(weights, qtype, tensor_name=t.name)

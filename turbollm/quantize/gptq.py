@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from turbollm.models.layer_runner import Branch
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight
-from turbollm.quantize.layer_runner import Branch
 from turbollm.quantize.pipeline import BranchAlgorithm
 
 BLOCK = 128  # lazy-batch width (columns)

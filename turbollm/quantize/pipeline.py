@@ -1,6 +1,6 @@
 """Layer-by-layer offline quantization: the driver shared by GPTQ and AWQ.
 
-For each decoder layer, for each residual branch (attention, then MLP; see `layer_runner`):
+For each decoder layer, for each residual branch (attention, then MLP; see `models/layer_runner.py`):
 
 1. every calibration batch: ``h = norm(x)`` → the algorithm observes `first`'s input;
    `first_ready` (GPTQ quantizes `first` here);
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from turbollm.layers.linear import LinearBase
+from turbollm.models.layer_runner import (Branch, CalibrationRunner, capture_input, get_adapter,
+                                          run_until_captured)
 from turbollm.quantization.group_quant import QuantizedWeight
-from turbollm.quantize.layer_runner import (Branch, CalibrationRunner, capture_input, get_adapter,
-                                            run_until_captured)
 
 STORE_BUDGET = 1536 << 20  # bytes of `second`'s inputs kept to skip recomputing a branch
 

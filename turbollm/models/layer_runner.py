@@ -13,6 +13,12 @@ MLP:       first = gate_up_proj, mix = act(gate) * up, second = down_proj.
 pieces (which norm feeds which branch, the embedding scale) live in `ARCH_ADAPTERS`; a test
 holds the branch-wise composition equal to the model's own forward.
 
+This is serving-path code (it describes the architectures, beside them): the offline quantizers
+and ``eval branches`` import it from here, and the ``int8`` method's equalization at load reaches
+it through the model it is handed (`CausalLM.residual_branches`, `CausalLM.forward_windows`),
+since ``turbollm.quantization`` sits below the models. The scale folding on a branch is
+``quantization/scale_folding.py``.
+
 `CalibrationRunner` cuts the token windows into batches of whole sequences and builds, once,
 a `ForwardBatch` for each (a scratch paged KV cache shared by every layer and batch), so a
 layer or branch can be run on any batch: attention sees each window as one causal sequence.
@@ -32,6 +38,7 @@ from turbollm.errors import UnsupportedArchitectureError
 from turbollm.layers.linear import LinearBase
 from turbollm.layers.norm import RMSNorm
 from turbollm.models.forward_batch import ForwardBatch
+from turbollm.quantization.scale_folding import expand_group, reduce_group
 
 TOKENS_PER_BATCH = 4096
 
@@ -64,39 +71,6 @@ class Branch:
     def reduce(self, col_stat: torch.Tensor) -> torch.Tensor:
         """A per-input-column statistic of `second` → per feeder row (GQA: mean over the group)."""
         return reduce_group(col_stat, self.group, self.head_dim)
-
-
-def expand_group(s: torch.Tensor, group: int, head_dim: int) -> torch.Tensor:
-    """Per KV-head channel → per column of `group` query heads of `head_dim` (each value repeated
-    over the group); identity when ``group == 1``."""
-    if group == 1:
-        return s
-    return s.view(-1, 1, head_dim).expand(-1, group, head_dim).reshape(-1)
-
-
-def reduce_group(col_stat: torch.Tensor, group: int, head_dim: int, how: str = "mean") -> torch.Tensor:
-    """The inverse direction of `expand_group`: a per-column statistic → per KV-head channel, by
-    the group's ``how`` ("mean" or "amax"); identity when ``group == 1``."""
-    if group == 1:
-        return col_stat
-    return getattr(col_stat.view(-1, group, head_dim), how)(1).reshape(-1)
-
-
-def fold_scales(br: Branch, s1: torch.Tensor, s2: torch.Tensor) -> None:
-    """Fold column scales (AWQ's, or the int8 method's equalization) into the branch; the float
-    function is unchanged (up to rounding).
-
-    `s1` scales `first`'s input columns (divided out of the norm weight); `s2` scales the
-    feeder rows' channels as `second` reads them (feeder rows and bias divided by `s2`,
-    `second`'s input columns multiplied by ``expand(s2)``).
-    """
-    br.norm.weight.data.div_(s1)
-    br.first.weight.data.mul_(s1[None, :])
-    br.first.weight.data[br.feeder].div_(s2[:, None])
-    bias = getattr(br.first, "bias", None)
-    if bias is not None:
-        bias.data[br.feeder].div_(s2)
-    br.second.weight.data.mul_(br.expand(s2)[None, :])
 
 
 @dataclass(frozen=True)
