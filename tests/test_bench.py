@@ -40,11 +40,12 @@ def test_physics_arithmetic():
 def test_physics_counts_smollm2():
     from conftest import catalog_model_path
     from turbollm.benchmarks.physics import physics_of_turbollm
+    from turbollm.loader.footprint import model_footprint
     from turbollm.loader import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(str(catalog_model_path("smollm2-135m")))
-    phys = physics_of_turbollm(loaded)
+    phys = physics_of_turbollm(model_footprint(loaded), loaded.config)
     cfg = loaded.config
     per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # q, k, v
                  + cfg.num_heads * cfg.head_dim * cfg.hidden_size  # o
@@ -168,10 +169,11 @@ def test_physics_same_for_turbollm_and_hf(tiny_qwen2):
     """Both counts agree on a model with untied embeddings (the input table is not read per step)."""
     from turbollm.benchmarks.hf_backend import load_hf_model
     from turbollm.benchmarks.physics import physics_of_hf, physics_of_turbollm
+    from turbollm.loader.footprint import model_footprint
     from turbollm.loader import load_model
 
     loaded = load_model(str(tiny_qwen2))
-    ours, theirs = physics_of_turbollm(loaded), physics_of_hf(load_hf_model(loaded.resolved))
+    ours, theirs = physics_of_turbollm(model_footprint(loaded), loaded.config), physics_of_hf(load_hf_model(loaded.resolved))
     assert ours.weight_bytes == theirs.weight_bytes
     assert ours.step_weight_bytes == theirs.step_weight_bytes == ours.weight_bytes - 256 * 64 * 4
     assert (ours.linear_params, ours.lm_head_params) == (theirs.linear_params, theirs.lm_head_params) != (0, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from turbollm.engine.kv_cache import BlockPool, hash_block
+from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler import Scheduler
 from turbollm.engine.sequence import Sequence
 from turbollm.sampling_params import SamplingParams
@@ -15,12 +16,14 @@ def seq(i: int, tokens: list[int]) -> Sequence:
 
 
 def run_step(sched: Scheduler):
-    """Schedule once and pretend the model computed everything scheduled."""
+    """Schedule once and pretend the model computed everything scheduled (sampling nothing)."""
     out = sched.schedule()
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        sched.cache_computed_blocks(s.seq)
+    sched.update_from_output(out, ModelRunnerOutput())
     return out
+
+
+def new_tokens(out) -> list[int]:
+    return [len(t) for t in out.scheduled_token_ids.values()]
 
 
 def test_allocate_release_order_and_refcounts():
@@ -61,7 +64,7 @@ def test_prefix_cache_hit_reuses_exact_blocks_and_counts_tokens():
     sched.add(b)
     out = run_step(sched)
     assert b.block_table[:2] == [0, 1]  # the cached prefix, same block ids
-    assert out.scheduled[0].num_new_tokens == 3  # only the tokens after the hit are computed
+    assert new_tokens(out)[0] == 3  # only the tokens after the hit are computed
     assert pool.stats.hits == 8 and pool.stats.queries == 10 + 11
     assert pool.ref_counts[0] == pool.ref_counts[1] == 1
 
@@ -76,7 +79,7 @@ def test_full_prompt_hit_still_computes_the_last_token():
     b = seq(1, list(range(8)))
     sched.add(b)
     out = run_step(sched)
-    assert b.block_table[0] == 0 and out.scheduled[0].num_new_tokens == 4  # block 1 recomputed (1 hit of 2)
+    assert b.block_table[0] == 0 and new_tokens(out)[0] == 4  # block 1 recomputed (1 hit of 2)
     assert pool.stats.hits == 4
 
 
@@ -138,7 +141,7 @@ def test_preemption_frees_newest_and_requeues_it_first():
     for s in (a, b):
         s.output_token_ids += [5, 5, 5, 5]  # both need a second block; one block is free
     out = run_step(sched)
-    assert [s.seq for s in out.scheduled] == [a] and out.preempted == [b]
+    assert list(out.scheduled_token_ids) == [a.seq_id] and out.preempted_seq_ids == [b.seq_id]
     assert b.num_computed_tokens == 0 and b.block_table == [] and sched.waiting[0] is b
     assert sched.num_preemptions == 1
 

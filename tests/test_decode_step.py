@@ -36,7 +36,7 @@ def _decode(model: str, prompts, *, eager: bool, max_tokens: int = 8, **kw):
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=4)
     outs = llm.generate(prompts, p, use_tqdm=False)
     alone = llm.generate(prompts[:1], p, use_tqdm=False)  # batch 1 decode as well
-    state = llm.engine.runner.model.model.__dict__.get("_decode_step_state")
+    state = llm.engine.executor.worker.runner.model.model.__dict__.get("_decode_step_state")
     result = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
               for o in outs + alone]
     return result, (state.steps if state is not None else 0), state
@@ -78,7 +78,7 @@ def test_grown_rope_tables_rebuild_the_step(tmp_path_factory):
     llm = LLM(str(folder), kv_cache_memory=1 << 22, threads=2)
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], p, use_tqdm=False)
-    decoder = llm.engine.runner.model.model
+    decoder = llm.engine.executor.worker.runner.model.model
     state = decoder._decode_step_state
     old = state.step
     for layer in decoder.layers:
@@ -118,7 +118,7 @@ def test_tiny_gptq_act_order_folder(tiny_qwen2, tmp_path_factory):
                                  calib_seq_len=64, calib_data=str(calibration_text(tmp / "calib.txt")),
                                  progress=False), log=lambda s: None)
     llm = LLM(str(out), kv_cache_memory=1 << 22, threads=2)
-    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight_perm is not None
+    assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj.weight_perm is not None
     del llm
     assert_fused_equals_eager(str(out), _int_prompts(), max_tokens=10)
 

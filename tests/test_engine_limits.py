@@ -106,14 +106,14 @@ def test_a_failure_in_one_requests_processing_fails_that_request_only(tiny, monk
     eng.add_request({"prompt_token_ids": PROMPT}, normal, "good")
     eng.add_request({"prompt_token_ids": PROMPT[::-1]}, SamplingParams(max_tokens=8, ignore_eos=True), "bad")
     if where == "sampler":
-        real = sampler_module._apply_penalties
+        real = sampler_module.apply_penalties_and_masks
 
-        def penalties(logits, seq):
-            if seq.request_id == "bad" and seq.output_token_ids:
+        def penalties(logits, rows):  # raises for the "bad" request's rows once it has generated a token
+            if any(r.token_ids[:len(PROMPT)] == PROMPT[::-1] and r.output_token_ids for r in rows):
                 raise RuntimeError("boom in sampling")
-            return real(logits, seq)
+            return real(logits, rows)
 
-        monkeypatch.setattr(sampler_module, "_apply_penalties", penalties)
+        monkeypatch.setattr(sampler_module, "apply_penalties_and_masks", penalties)
         eng.step()  # prefill both
     else:
         eng.step()
@@ -163,8 +163,8 @@ def test_sampler_without_a_seed_leaves_the_global_rng_alone():
 def test_an_exception_inside_generate_leaves_no_requests_behind(tiny, monkeypatch):
     """Before: the requests of the failed call stayed in the engine and ran inside the next call."""
     llm = LLM(tiny, threads=1)
-    runner = llm.engine.runner
-    real, calls = runner.execute, []
+    executor = llm.engine.executor
+    real, calls = executor.execute_model, []
 
     def flaky(sched):
         calls.append(1)
@@ -172,7 +172,7 @@ def test_an_exception_inside_generate_leaves_no_requests_behind(tiny, monkeypatc
             raise RuntimeError("forward pass failed")
         return real(sched)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(executor, "execute_model", flaky)
     with pytest.raises(RuntimeError, match="forward pass failed"):
         llm.generate([{"prompt_token_ids": PROMPT}] * 3, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests

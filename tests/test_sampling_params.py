@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turbollm.engine.sampler import Sampler
-from turbollm.engine.sequence import Sequence
+from turbollm.engine.sampler import Sampler, SamplingRow
 from turbollm.errors import InvalidRequestError
 from turbollm.sampling_params import SamplingParams
 
@@ -25,10 +24,9 @@ def test_bad_params_name_the_field(kwargs, field):
     assert issubclass(InvalidRequestError, ValueError)
 
 
-def _seq(params: SamplingParams, outputs=()) -> Sequence:
-    s = Sequence(0, "r", 0, [1, 2, 3], params)
-    s.output_token_ids = list(outputs)
-    return s
+def _row(params: SamplingParams, outputs=(), ends=(), seed: int | None = None) -> SamplingRow:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(params, [1, 2, 3] + list(outputs), 3, list(ends), gen)
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -36,35 +34,71 @@ def test_top_k_top_p_min_p_restrict_the_support():
     sampler = Sampler(seed=0)
     for params, allowed in [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.7), {0, 1}),
                             (SamplingParams(min_p=0.5), {0, 1}), (SamplingParams(top_p=0.45), {0})]:
-        seen = {sampler.sample(logits, [_seq(params)], [set()])[0].token_id for _ in range(200)}
+        seen = {sampler.sample(logits, [_row(params)])[0].token_id for _ in range(200)}
         assert seen == allowed, (params, seen)
 
 
 def test_min_tokens_masks_end_tokens_and_penalties_apply():
     logits = torch.tensor([[5.0, 0.0, 0.0]])
     sampler = Sampler(seed=0)
-    r = sampler.sample(logits, [_seq(SamplingParams(temperature=0, min_tokens=2, max_tokens=4))], [{0}])[0]
+    r = sampler.sample(logits, [_row(SamplingParams(temperature=0, min_tokens=2, max_tokens=4), ends=[0])])[0]
     assert r.token_id != 0
     # a strong frequency penalty on token 0 (generated 3 times) moves greedy away from it
-    r = sampler.sample(logits, [_seq(SamplingParams(temperature=0, frequency_penalty=2.0), [0, 0, 0])], [set()])[0]
+    r = sampler.sample(logits, [_row(SamplingParams(temperature=0, frequency_penalty=2.0), [0, 0, 0])])[0]
     assert r.token_id != 0
     # repetition penalty divides positive logits of seen tokens (prompt tokens 1, 2 included)
     logits = torch.tensor([[0.0, 3.0, 2.9, 2.0, 2.0]])
-    r = sampler.sample(logits, [_seq(SamplingParams(temperature=0, repetition_penalty=2.0))], [set()])[0]
+    r = sampler.sample(logits, [_row(SamplingParams(temperature=0, repetition_penalty=2.0))])[0]
     assert r.token_id == 4
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    mk = lambda: _seq(SamplingParams(temperature=1.0, seed=11))  # noqa: E731
-    alone = []
-    for _ in range(5):
-        s = mk()
-        s.generator = torch.Generator().manual_seed(11)
-        alone.append(Sampler().sample(logits[1:2], [s], [set()])[0].token_id)
-    s = mk()
-    s.generator = torch.Generator().manual_seed(11)
-    others = [_seq(SamplingParams(temperature=1.0)), _seq(SamplingParams(temperature=1.0))]
-    batched = [Sampler().sample(logits, [others[0], s, others[1]], [set()] * 3)[1].token_id]
-    assert batched[0] == alone[0]
+    params = SamplingParams(temperature=1.0, seed=11)
+    alone = [Sampler().sample(logits[1:2], [_row(params, seed=11)])[0].token_id for _ in range(5)]
+    others = [_row(SamplingParams(temperature=1.0)), _row(SamplingParams(temperature=1.0))]
+    batched = Sampler().sample(logits, [others[0], _row(params, seed=11), others[1]])[1].token_id
+    assert len(set(alone)) == 1 and batched == alone[0]
+
+
+def _random_rows(n: int, vocab: int, g: torch.Generator) -> list[SamplingRow]:
+    """Rows with every kind of setting the sampler applies, drawn at random (each with its own seed)."""
+    rows = []
+    for i in range(n):
+        pick = lambda choices: choices[int(torch.randint(len(choices), (1,), generator=g))]  # noqa: E731
+        outputs = torch.randint(vocab, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+        params = SamplingParams(
+            temperature=pick([0.0, 0.7, 1.0, 1.5]), top_k=pick([0, 1, 3, 20]), top_p=pick([1.0, 0.9, 0.5]),
+            min_p=pick([0.0, 0.05]), repetition_penalty=pick([1.0, 1.3, 0.8]), presence_penalty=pick([0.0, 0.5]),
+            frequency_penalty=pick([0.0, -0.4, 1.0]), min_tokens=pick([0, 3, 9]), seed=1000 + i,
+            logit_bias=pick([None, {5: 3.0, 7: -100.0}]))
+        rows.append(SamplingRow(params, [1, 2, 3] + outputs, 3, pick([[], [0, 4]]), None))
+    return rows
+
+
+def test_batched_sampler_equals_the_row_by_row_reference():
+    """The batched pass (one set of tensor ops for the whole batch) picks exactly the tokens of the plain
+    per-row reference, given the same noise per row: 64 random rows over greedy and sampled settings,
+    penalties, logit_bias, min_tokens masks and all filters."""
+    from turbollm.engine.sampler import sample_reference
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(4):
+        rows = _random_rows(64, 40, g)
+        logits = torch.randn(64, 40, generator=g) * 3
+        for i, r in enumerate(rows):
+            r.generator = torch.Generator().manual_seed(r.params.seed)
+        got = [res.token_id for res in Sampler().sample(logits, rows)]
+        want = sample_reference(logits, rows, [torch.Generator().manual_seed(r.params.seed) for r in rows])
+        assert got == want, trial
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    params = SamplingParams(temperature=0, logprobs=2, repetition_penalty=5.0)
+    r = Sampler().sample(logits, [SamplingRow(params, [0, 0], 1)])[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert r.token_id == 1 and r.rank == 2  # the penalty moved greedy off token 0; rank is in the raw distribution
+    assert r.logprob == pytest.approx(float(raw[1]))
+    assert [t for t, _ in r.top] == [0, 1] and r.top[0][1] == pytest.approx(float(raw[0]))

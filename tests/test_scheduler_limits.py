@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from turbollm.engine.kv_cache import BlockPool
+from turbollm.engine.runner_output import ModelRunnerOutput, SampledToken
 from turbollm.engine.scheduler import Scheduler
 from turbollm.engine.sequence import Sequence
 from turbollm.sampling_params import SamplingParams
@@ -15,15 +16,24 @@ def seq(i: int, tokens: list[int], **params) -> Sequence:
 
 
 def run_step(sched: Scheduler, sample: bool = True):
-    """Schedule once, pretend the model computed it, and append one token to every sequence that samples."""
+    """Schedule once, pretend the workers computed it, and sample token 7 for every sequence that is up to date."""
     out = sched.schedule()
-    for s in out.scheduled:
-        samples = s.completes_prompt_or_decodes
-        s.seq.num_computed_tokens += s.num_new_tokens
-        sched.cache_computed_blocks(s.seq)
-        if sample and samples:
-            s.seq.output_token_ids.append(7)
+    sampled = {}
+    for sid, tokens in out.scheduled_token_ids.items():
+        seq = sched.seqs[sid]
+        if sample and seq.num_computed_tokens + len(tokens) == seq.num_tokens:
+            sampled[sid] = [SampledToken(7)]
+            sampled.update({f.seq_id: [SampledToken(7)] for f in out.forks.get(sid, [])})
+    sched.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     return out
+
+
+def scheduled(sched: Scheduler, out) -> list[Sequence]:
+    return [sched.seqs[sid] for sid in out.scheduled_token_ids]
+
+
+def unschedulable(sched: Scheduler, out) -> list[Sequence]:
+    return [sched.seqs[sid] for sid in out.unschedulable_seq_ids]
 
 
 def test_a_sequence_that_outgrows_the_pool_is_reported_not_spun_on():
@@ -37,9 +47,9 @@ def test_a_sequence_that_outgrows_the_pool_is_reported_not_spun_on():
         failed = []
         for _ in range(40):
             out = run_step(sched)
-            gone = getattr(out, "unschedulable", [])
+            gone = unschedulable(sched, out)
             failed += gone
-            assert out.scheduled or gone or not sched.has_unfinished(), \
+            assert out.scheduled_token_ids or gone or not sched.has_unfinished(), \
                 f"caching={caching}: an empty step with work left"
             if not sched.has_unfinished():
                 break
@@ -55,8 +65,8 @@ def test_a_waiting_sequence_larger_than_the_pool_is_reported():
     sched.add(big)
     sched.add(small)
     out = run_step(sched)
-    assert getattr(out, "unschedulable", None) == [big]
-    assert [s.seq for s in out.scheduled] == [small]
+    assert unschedulable(sched, out) == [big]
+    assert scheduled(sched, out) == [small]
 
 
 def test_prefix_cache_queries_never_go_down():
@@ -91,5 +101,5 @@ def test_pending_forks_count_against_max_num_seqs():
     sched.add(a)
     sched.add(b)
     out = run_step(sched, sample=False)
-    assert [s.seq for s in out.scheduled] == [a]  # b would make 4 sequences once a forks
+    assert scheduled(sched, out) == [a]  # b would make 4 sequences once a forks
     assert sched.num_seq_slots == 3

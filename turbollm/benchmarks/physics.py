@@ -141,28 +141,14 @@ def _unique_bytes(params) -> int:
     return total
 
 
-def physics_of_turbollm(loaded, kv_itemsize: int = 4) -> ModelPhysics:
-    """Count a turbollm LoadedModel: linear layers by their logical shape (packed weights too)."""
-    from turbollm.layers.embedding import LMHead, VocabEmbedding
-    from turbollm.layers.linear import LinearBase
-
-    model, cfg = loaded.model, loaded.config
-    linear = lm_head = 0
-    head_ptrs, embed_tables = set(), []
-    for m in model.modules():
-        if isinstance(m, LinearBase):
-            linear += m.in_features * m.out_features
-        elif isinstance(m, LMHead):
-            lm_head += m.vocab_size * m.dim  # logical size: the table may be raw GGML blocks
-            head_ptrs.add(m.weight.data_ptr())
-        elif isinstance(m, VocabEmbedding):
-            embed_tables.append(m.weight)
-    weight_bytes = loaded.weight_bytes
-    untied = _unique_bytes(w for w in embed_tables if w.data_ptr() not in head_ptrs)
-    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
-    windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
-    return ModelPhysics(weight_bytes, weight_bytes - untied, linear, lm_head, (per_layer,) * cfg.num_layers, windows,
-                        loaded.weights_storage)
+def physics_of_turbollm(footprint, config, kv_itemsize: int = 4) -> ModelPhysics:
+    """Count a turbollm model from its `ModelFootprint` (`LLMEngine.footprint`; linear layers by their
+    logical shape, packed weights too)."""
+    per_layer = 2 * config.num_kv_heads * config.head_dim * kv_itemsize
+    windows = tuple(config.layer_window(i) for i in range(config.num_layers))
+    return ModelPhysics(footprint.weight_bytes, footprint.weight_bytes - footprint.untied_embedding_bytes,
+                        footprint.linear_params, footprint.lm_head_params, (per_layer,) * config.num_layers, windows,
+                        footprint.weights_storage)
 
 
 def physics_of_hf(model, kv_itemsize: int = 4) -> ModelPhysics:

@@ -25,11 +25,12 @@ class StepRecord:
     context_lens: tuple[int, ...] = ()  # per scheduled sequence, new tokens included
 
 
-def _describe(sched_out) -> dict | None:
+def _describe(sched_out, scheduler) -> dict | None:
     try:
-        rows = [(s.seq.num_computed_tokens, s.num_new_tokens, s.seq.num_prompt_tokens, s.seq.num_tokens)
-                for s in sched_out.scheduled]
-    except AttributeError:
+        seqs = [scheduler.seqs[sid] for sid in sched_out.scheduled_token_ids]
+        rows = [(s.num_computed_tokens, len(t), s.num_prompt_tokens, s.num_tokens)
+                for s, t in zip(seqs, sched_out.scheduled_token_ids.values())]
+    except (AttributeError, KeyError):
         return None
     return {"num_seqs": len(rows), "num_tokens": sum(n for _, n, _, _ in rows),
             "num_sampled": sum(c + n == t for c, n, _, t in rows),
@@ -54,7 +55,7 @@ class StepRecorder:
 
             def schedule(*a, **k):
                 out = orig_schedule(*a, **k)
-                self._pending = _describe(out)
+                self._pending = _describe(out, sched)
                 return out
 
             sched.schedule = schedule

@@ -166,8 +166,8 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
     if run_turbo:
         llm = LLM(**asdict(args))
         engine = llm.engine
-        resolved, config, tokenizer = engine.loaded.resolved, engine.config, llm.get_tokenizer()
-        phys = physics_of_turbollm(engine.loaded, _kv_itemsize(engine))
+        resolved, config, tokenizer = engine.resolved, engine.config, llm.get_tokenizer()
+        phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
         max_len = engine.max_model_len
     else:
         if ns.threads:
@@ -238,8 +238,8 @@ def _batch_sweep(ns: argparse.Namespace, args, ceilings) -> dict:
     if any(b < 1 for b in ns.batch_sweep) or max(ns.batch_sweep) > ns.max_num_seqs:
         raise BenchmarkError(f"--batch-sweep sizes must be between 1 and --max-num-seqs ({ns.max_num_seqs})")
     engine = LLMEngine(args)
-    phys = physics_of_turbollm(engine.loaded, _kv_itemsize(engine))
-    setting = {"benchmark": "throughput batch sweep", "model": model_setting(engine.loaded.resolved, engine.config, phys),
+    phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+    setting = {"benchmark": "throughput batch sweep", "model": model_setting(engine.resolved, engine.config, phys),
                "machine": machine_setting(ceilings), "engine_args": engine_setting(args),
                "workload": {"batch_sizes": ns.batch_sweep, "input_len": ns.input_len, "output_len": ns.output_len,
                             "prompts": "random token ids, a fresh draw per request", "sampling": "greedy, ignore_eos",
@@ -274,8 +274,8 @@ def bench_latency(ns: argparse.Namespace) -> dict:
     ceilings = ceilings_from(ns)
     args = engine_args_from(ns)
     engine = LLMEngine(args)
-    phys = physics_of_turbollm(engine.loaded, _kv_itemsize(engine))
-    setting = {"benchmark": "latency", "model": model_setting(engine.loaded.resolved, engine.config, phys),
+    phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+    setting = {"benchmark": "latency", "model": model_setting(engine.resolved, engine.config, phys),
                "machine": machine_setting(ceilings),
                "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "batch_size": ns.batch_size,
                             "num_iters": ns.num_iters, "warmup_iters": ns.warmup, "prompt_seed": ns.prompt_seed,
@@ -306,7 +306,7 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     from turbollm.benchmarks.report import print_block
     from turbollm.hub.resolve import CheckpointFormat
 
-    resolved = engine.loaded.resolved
+    resolved = engine.resolved
     if resolved.format is not CheckpointFormat.GGUF:
         raise BenchmarkError("--compare llama.cpp needs a GGUF model (llama.cpp reads only GGUF files)")
     gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
@@ -315,7 +315,7 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     llm = lc.load_llamacpp(resolved.path, ns.input_len + ns.output_len + 8, threads, ns.input_len)
     res = lc.run_llamacpp_latency(llm, prompts, ns.output_len, warmup=ns.warmup)
     del llm
-    file_bytes = engine.loaded.file_tensor_bytes
+    file_bytes = engine.footprint.file_tensor_bytes
     steps_s = res["decode_steps"] * res["decode_ms_per_step_mean"] / 1000
     ttft_s = res["ttft_ms_mean"] / 1000 * res["iterations"]
     res.update(version=lc.llamacpp_version(), threads=threads, resident_weight_MB=round(file_bytes / 1e6, 1),
@@ -325,9 +325,9 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     print_block("llama.cpp (same GGUF, prompts and threads)", res)
     ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
               "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3),
-              "turbollm_resident_weight_MB": round(engine.loaded.weight_bytes / 1e6, 1),
+              "turbollm_resident_weight_MB": round(engine.footprint.weight_bytes / 1e6, 1),
               "llamacpp_resident_weight_MB": res["resident_weight_MB"],
-              "turbollm_weights_over_file_bytes": round(engine.loaded.weight_bytes / file_bytes, 3)}
+              "turbollm_weights_over_file_bytes": round(engine.footprint.weight_bytes / file_bytes, 3)}
     print_block("turbollm / llama.cpp", ratios)
     return {"results": res, "ratios": ratios}
 

@@ -41,6 +41,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step through the PyTorch modules (default: decode steps run all layers in "
                         "one C++ call with the same kernels and the same results)")
+    p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
+                   help="uni (default): the model runs in this process; mp: in one worker process, the engine "
+                        "sending each step to it as plain data")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -52,4 +55,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         block_size=ns.block_size,
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
-        kv_cache_dtype=ns.kv_cache_dtype, enforce_eager=ns.enforce_eager)
+        kv_cache_dtype=ns.kv_cache_dtype, enforce_eager=ns.enforce_eager,
+        distributed_executor_backend=ns.distributed_executor_backend)

@@ -67,6 +67,9 @@ class EngineArgs:
     # True: every step runs the layers as PyTorch modules; False: pure-decode steps run all
     # layers in one C++ call with the same kernels (models/decode_step.py; same results, less Python)
     enforce_eager: bool = False
+    # how the engine reaches its worker: "uni" (in this process) or "mp" (one worker process that
+    # loads the model; plain data crosses the process boundary each step)
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -77,6 +80,9 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("float32", "auto"):
             raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
+                                      "'uni' (the worker in this process) or 'mp' (a worker process)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")

@@ -1,24 +1,45 @@
-"""The sampler: logits → next tokens, per-request parameters applied row by row.
+"""The sampler: logits → next tokens for a whole batch in one pass of tensor ops.
 
-Order: penalties (repetition, presence, frequency) and `logit_bias` on the raw logits, `min_tokens`
-(end tokens masked), temperature, top-k, top-p, min-p, then a draw from each request's own
-generator (seeded requests give the same tokens whatever else is in the batch). Greedy
-requests take the argmax. Logprobs are those of the raw model distribution (before any
-of the above), as vLLM reports them.
+Order: penalties (repetition on every token seen, presence and frequency on the output) and
+`logit_bias` on the raw logits, `min_tokens` (end tokens masked), then greedy rows take the
+argmax; the others are divided by their temperature and filtered by top-k, top-p and min-p
+(one sort serves both), and draw by the exponential race: token = argmax(p / E) with E ~ Exp(1)
+per token, which samples from p. A seeded row draws its noise from its own generator, so its
+tokens do not depend on what else is in the batch; the others share the sampler's generator.
+Logprobs are those of the raw model distribution (before any of the above), as vLLM reports them.
 
-One row's numbers never fail the batch: a NaN produced by extreme settings (a penalty of
-1e308 overflows float32) counts as an excluded token, a row with nothing left to draw from
-takes the argmax of its raw logits, and an exception while sampling a row is returned in
-that row's `SampleResult.error` for the engine to fail that request alone.
+One row's numbers never fail the batch: NaN (a penalty of 1e308 overflows float32) counts as
+an excluded token, and a row with nothing left to draw from takes the argmax of its raw logits.
+If the batched pass raises anyway, each row is sampled alone, so an exception is pinned on the
+row that caused it (`SampleResult.error`) and the engine fails that request only.
+`sample_reference` is the plain row-by-row version the tests hold the batched pass to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from turbollm.engine.sequence import Sequence
+from turbollm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one sequence (a worker's per-sequence state has these fields)."""
+
+    params: SamplingParams
+    token_ids: list[int]  # the prompt, then the tokens generated so far
+    num_prompt_tokens: int
+    end_token_ids: Sequence[int] = ()  # masked while fewer than min_tokens were generated
+    generator: torch.Generator | None = None  # a seeded request's own
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -26,56 +47,13 @@ class SampleResult:
     token_id: int
     logprob: float  # raw-distribution logprob of the token (0.0 when logprobs were not asked for)
     rank: int  # 1-based rank in the raw distribution (0 when not asked for)
-    top: list[tuple[int, float]]  # the top-k (id, logprob) when asked for
+    top: list[tuple[int, float]] = field(default_factory=list)  # the top-k (id, logprob) when asked for
     error: str | None = None  # sampling this row raised: the engine fails its request
 
 
 def token_rank(logprobs: torch.Tensor, token: int) -> int:
     """1 + the number of tokens strictly more likely than `token` (logprobs: [V])."""
     return int((logprobs > logprobs[token]).sum().item()) + 1
-
-
-def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    p = seq.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.int64)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-        ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.int64).unique(return_counts=True)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-    return logits
-
-
-def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    p = seq.params
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        cum = probs.cumsum(-1)
-        drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        drop[0] = False
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    if p.min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
-
-
-def _draw(logits: torch.Tensor, raw: torch.Tensor, seq: Sequence, gen: torch.Generator) -> int:
-    """A token from the filtered distribution of one row; the raw argmax when nothing is left to draw."""
-    logits = torch.nan_to_num(logits, nan=float("-inf"))
-    probs = _filter(logits, seq).softmax(-1)
-    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-        return int(torch.argmax(torch.nan_to_num(raw, nan=float("-inf"))).item())
-    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 class Sampler:
@@ -86,35 +64,169 @@ class Sampler:
         else:  # a fresh seed for this generator only (torch.seed() would reseed the process-wide RNG)
             self.default_generator.seed()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], end_token_ids: list[set[int]]) -> list[SampleResult]:
-        """One token for each row of `logits` [B, V] (row i belongs to seqs[i])."""
-        logits = logits.float()
-        want = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
-        row_of = {i: r for r, i in enumerate(want)}
-        results = []
-        for i, seq in enumerate(seqs):
-            try:
-                results.append(self._sample_row(logits[i], seq, end_token_ids[i],
-                                                raw_logprobs[row_of[i]] if i in row_of else None))
-            except Exception as e:  # noqa: BLE001 - this row's request fails, the batch goes on
-                results.append(SampleResult(-1, 0.0, 0, [], error=f"{type(e).__name__}: {e}"))
-        return results
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """One token for each row of `logits` [B, V] (row i belongs to rows[i])."""
+        if not rows:
+            return []
+        try:
+            return self._sample_batch(logits, rows)
+        except Exception:  # noqa: BLE001 - find the row that fails; the others still get their token
+            results = []
+            for i, row in enumerate(rows):
+                try:
+                    results.append(self._sample_batch(logits[i:i + 1], [row])[0])
+                except Exception as e:  # noqa: BLE001
+                    results.append(SampleResult(-1, 0.0, 0, [], error=f"{type(e).__name__}: {e}"))
+            return results
 
-    def _sample_row(self, raw: torch.Tensor, seq: Sequence, end_ids: set[int],
-                    lp: torch.Tensor | None) -> SampleResult:
-        p = seq.params
-        row = _apply_penalties(raw.clone(), seq)
-        if len(seq.output_token_ids) < p.min_tokens and end_ids:
-            row[torch.tensor(sorted(end_ids))] = float("-inf")
+    # ------------------------------------------------------------------ the batched pass
+    def _sample_batch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        raw = logits.float()
+        x = apply_penalties_and_masks(raw.clone(), rows)
+        x.masked_fill_(x.isnan(), _NEG_INF)
+        tokens = torch.argmax(x, dim=-1)
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if drawn:
+            tokens[drawn] = self._draw(x[drawn], raw[drawn], [rows[i] for i in drawn])
+        return _with_logprobs(raw, tokens.tolist(), rows)
+
+    def _draw(self, x: torch.Tensor, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Tokens drawn from the filtered distributions of the rows of `x` (penalized logits)."""
+        probs = filtered_probs(x, [r.params for r in rows])
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.default_generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        tokens = torch.argmax(probs / noise.clamp_(min=1e-30), dim=-1)
+        bad = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+        if bool(bad.any()):  # nothing left to draw from: the raw argmax
+            tokens[bad] = torch.argmax(raw[bad].masked_fill(raw[bad].isnan(), _NEG_INF), dim=-1)
+        return tokens
+
+
+def _flat(rows_ids: list[tuple[int, Sequence[int]]], vocab: int) -> torch.Tensor:
+    """Flat indices row * vocab + token for (row, token ids) pairs."""
+    parts = [torch.as_tensor(list(ids), dtype=torch.int64) + r * vocab for r, ids in rows_ids if len(ids)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def apply_penalties_and_masks(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties, logit_bias and the min_tokens mask on `x` [B, V] (in place)."""
+    B, V = x.shape
+    flat = x.view(-1)
+    rep = [(i, r) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = torch.zeros(B * V, dtype=torch.bool)
+        seen[_flat([(i, r.token_ids) for i, r in rep], V)] = True
+        penalty = torch.ones(B, 1)
+        penalty[[i for i, _ in rep], 0] = torch.tensor([r.params.repetition_penalty for _, r in rep])
+        seen = seen.view(B, V)
+        x.copy_(torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x))
+    pf = [(i, r) for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty)
+          and len(r.token_ids) > r.num_prompt_tokens]
+    if pf:
+        counts = torch.bincount(_flat([(i, r.output_token_ids) for i, r in pf], V), minlength=B * V).view(B, V)
+        freq, pres = torch.zeros(B, 1), torch.zeros(B, 1)
+        idx = [i for i, _ in pf]
+        freq[idx, 0] = torch.tensor([r.params.frequency_penalty for _, r in pf])
+        pres[idx, 0] = torch.tensor([r.params.presence_penalty for _, r in pf])
+        counts = counts.to(x.dtype)
+        x.sub_(torch.where(counts > 0, freq * counts + pres, torch.zeros(())))
+    bias = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if bias:
+        flat.index_add_(0, _flat([(i, list(b)) for i, b in bias], V),
+                        torch.tensor([v for _, b in bias for v in b.values()], dtype=x.dtype))
+    ends = [(i, list(r.end_token_ids)) for i, r in enumerate(rows)
+            if r.end_token_ids and len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens]
+    if ends:
+        flat[_flat(ends, V)] = _NEG_INF
+    return x
+
+
+def filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """softmax(x / temperature) restricted by each row's top-k, top-p and min-p ([B, V] → [B, V])."""
+    B, V = x.shape
+    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype).unsqueeze(1)
+    y = x / temp
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype).unsqueeze(1)
+    if bool((top_k < V).any()) or bool((top_p < 1).any()):
+        sv, order = torch.sort(y, dim=-1, descending=True)
+        kth = sv.gather(1, (top_k - 1).unsqueeze(1))
+        sv = sv.masked_fill(sv < kth, _NEG_INF)  # top-k, ties at the k-th value kept
+        probs = sv.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) > top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[:, 0] = False
+        sv = sv.masked_fill(drop, _NEG_INF)
+        y = torch.empty_like(y).scatter_(1, order, sv)
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = y.softmax(-1)
+        y = y.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, _NEG_INF)
+    return y.softmax(-1)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: list[int], rows: Sequence[SamplingRow]) -> list[SampleResult]:
+    """The results, with raw-distribution logprobs, rank and top k for the rows that ask for them."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    results = [SampleResult(t, 0.0, 0, []) for t in tokens]
+    if not want:
+        return results
+    lp = torch.log_softmax(raw[want], dim=-1)
+    chosen = torch.tensor([tokens[i] for i in want])
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1))
+    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
+    k_max = max(rows[i].params.logprobs for i in want)
+    top_vals = top_idx = None
+    if k_max:
+        top_vals, top_idx = torch.topk(lp, min(k_max, lp.shape[-1]), dim=-1)
+        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+    for j, i in enumerate(want):
+        k = rows[i].params.logprobs
+        top = list(zip(top_idx[j][:k], top_vals[j][:k])) if k and top_idx is not None else []
+        results[i] = SampleResult(tokens[i], float(chosen_lp[j, 0]), ranks[j], top)
+    return results
+
+
+def sample_reference(logits: torch.Tensor, rows: Sequence[SamplingRow], noise_generators=None) -> list[int]:
+    """Plain per-row sampling with the same rules (penalties, masks, filters, exponential race), for
+    tests: `noise_generators[i]` draws row i's noise (each row alone, as `Sampler` does for seeded rows)."""
+    out = []
+    for i, r in enumerate(rows):
+        p = r.params
+        row = logits[i].float().clone()
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.int64)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        outs = r.output_token_ids
+        if (p.presence_penalty or p.frequency_penalty) and outs:
+            ids, counts = torch.tensor(outs, dtype=torch.int64).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+        for t, b in (p.logit_bias or {}).items():
+            row[t] += b
+        if r.end_token_ids and len(outs) < p.min_tokens:
+            row[torch.tensor(sorted(r.end_token_ids))] = _NEG_INF
+        row = torch.where(row.isnan(), torch.full_like(row, _NEG_INF), row)
         if p.greedy:
-            token = int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item())
-        else:
-            token = _draw(row, raw, seq, seq.generator or self.default_generator)
-        if lp is None:  # logprobs are computed only for requests that ask for them
-            return SampleResult(token, 0.0, 0, [])
-        top: list[tuple[int, float]] = []
-        if p.logprobs:
-            vals, idx = torch.topk(lp, min(p.logprobs, lp.numel()))
-            top = list(zip(idx.tolist(), vals.tolist()))
-        return SampleResult(token, float(lp[token]), token_rank(lp, token), top)
+            out.append(int(torch.argmax(row)))
+            continue
+        row = row / p.temperature
+        if p.top_k and p.top_k < row.numel():
+            row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], _NEG_INF)
+        if p.top_p < 1.0:
+            sorted_row, order = torch.sort(row, descending=True)
+            probs = sorted_row.softmax(-1)
+            drop = probs.cumsum(-1) - probs > p.top_p
+            drop[0] = False
+            row = row.scatter(0, order[drop], _NEG_INF)
+        if p.min_p > 0:
+            probs = row.softmax(-1)
+            row = row.masked_fill(probs < p.min_p * probs.max(), _NEG_INF)
+        probs = row.softmax(-1)
+        noise = torch.empty_like(probs).exponential_(generator=noise_generators[i]).clamp_(min=1e-30)
+        out.append(int(torch.argmax(probs / noise)))
+    return out

@@ -15,60 +15,71 @@ with nothing else running (which the engine's cap of `max_model_len` to the pool
 this is a last line of defence) is taken out and reported in `SchedulerOutput.unschedulable`
 instead of preempting itself forever. An n > 1 request's siblings-to-be (`pending_forks`)
 take their `max_num_seqs` slots when the prompt is admitted.
+
+`schedule()` returns plain data (`scheduler_output.py`): what the workers do not know yet of
+each scheduled sequence, and the token ids each computes. `update_from_output()` takes the
+workers' sampled tokens back: it advances the counters, indexes newly full blocks in the prefix
+cache, forks n > 1 siblings off a prompt at its first sample, and applies the token-level stop
+rules (end tokens after `min_tokens`, `max_tokens`, the context); stop strings, which need the
+text, are the output processor's. Blocks and the prefix cache are `KVCacheManager`'s.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from turbollm.engine.kv_cache import BlockPool, hash_block
+from turbollm.engine.kv_cache import BlockPool
+from turbollm.engine.kv_cache_manager import KVCacheManager
+from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
+from turbollm.engine.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
 from turbollm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
+class SeqUpdate:
+    """What one step did to one sequence (engine side: it holds the live `Sequence`)."""
 
-    @property
-    def completes_prompt_or_decodes(self) -> bool:
-        """True when, after this step, every token of the sequence is in the cache (sample next)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    seq: Sequence
+    tokens: list[SampledToken] = field(default_factory=list)  # appended this step
+    prompt_logprobs: PromptLogprobs | None = None
+    forked: bool = False  # a sibling created this step
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward pass
-    # sequences that cannot fit in the whole KV pool: removed from the schedule, to be ended with an error
-    unschedulable: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+class SchedulerUpdate:
+    updates: list[SeqUpdate] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # sampling raised for these
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None):
         self.pool, self.block_size = pool, block_size
+        self.kv = KVCacheManager(pool, block_size)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq_id
         self.num_preemptions = 0
+        self._seq_ids = itertools.count()
+        self._finished_ids: list[int] = []  # finished since the last schedule and known to the workers
+        self._resumed: set[int] = set()  # preempted, their tables cleared on the workers
+
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
 
     def add_running(self, seq: Sequence) -> None:
         """Add a sequence that already holds blocks (a forked sibling) straight to the running set."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.seqs[seq.seq_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,85 +89,28 @@ class Scheduler:
         """Sequence slots taken: every running sequence plus the siblings its prompt will fork."""
         return sum(1 + s.pending_forks for s in self.running)
 
-    # ------------------------------------------------------------------ blocks
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = seq.num_computed_tokens + num_new
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
-
-    def _grow(self, seq: Sequence, num_new: int) -> None:
-        for _ in range(self._blocks_needed(seq, num_new)):
-            seq.block_table.append(self.pool.allocate())
-
-    def _shared_write_block(self, seq: Sequence) -> int | None:
-        """Index in the block table of the block `seq` writes next, if another sequence shares it."""
-        idx = seq.num_computed_tokens // self.block_size
-        if idx < len(seq.block_table) and self.pool.ref_counts[seq.block_table[idx]] > 1:
-            return idx
-        return None
-
-    def _copy_on_write(self, seq: Sequence, idx: int, out: SchedulerOutput) -> None:
-        """Give `seq` its own copy of shared block `idx` before it writes there."""
-        src = seq.block_table[idx]
-        dst = self.pool.allocate()
-        self.pool.release([src])
-        seq.block_table[idx] = dst
-        out.copy_blocks.append((src, dst))
-
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Prefix keys of the sequence's first `num_blocks` full blocks (computed once, kept)."""
-        bs, hashes = self.block_size, seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            tokens = [seq.token_at(t) for t in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
-        return hashes
-
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Point a fresh sequence at the cached blocks of its longest cached prefix (counted in the
-        pool's stats by `_admit`, once the sequence is admitted)."""
-        if not self.pool.enable_caching or seq.num_computed_tokens or seq.block_table:
-            return
-        if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
-            return
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
-        for h in self._hashes(seq, max_blocks):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            self.pool.touch(block)
-            seq.block_table.append(block)
-        seq.num_computed_tokens = seq.num_cached_blocks = len(seq.block_table)
-        seq.num_computed_tokens *= self.block_size
+    def free_blocks(self, seq: Sequence) -> None:
+        self.kv.free(seq)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """After a step: index the sequence's newly full blocks in the prefix cache."""
-        if not self.pool.enable_caching:
-            return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.num_cached_blocks:
-            return
-        hashes = self._hashes(seq, full)
-        for i in range(seq.num_cached_blocks, full):
-            self.pool.cache_full_block(seq.block_table[i], hashes[i])
-        seq.num_cached_blocks = full
-
-    def free_blocks(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.num_cached_blocks = 0
+        self.kv.cache_computed_blocks(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.free_blocks(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        if seq.known_to_workers:
+            out.preempted_seq_ids.append(seq.seq_id)
+            self._resumed.add(seq.seq_id)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
+        self._finished_ids = []
+        chosen: list[tuple[Sequence, int, list[int]]] = []  # (sequence, new tokens, table slots replaced)
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
@@ -164,8 +118,8 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            shared = self._shared_write_block(seq)
-            need = self._blocks_needed(seq, n) + (shared is not None)
+            shared = self.kv.shared_write_block(seq)
+            need = self.kv.blocks_needed(seq, n) + (shared is not None)
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
             if need > self.pool.num_free:
@@ -174,35 +128,55 @@ class Scheduler:
                 else:
                     self._preempt(seq, out)
                 continue
+            replaced = []
             if shared is not None:
-                self._copy_on_write(seq, shared, out)
-            self._grow(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+                out.copy_blocks.append(self.kv.copy_on_write(seq, shared))
+                replaced.append(shared)
+            self.kv.grow(seq, n)
+            chosen.append((seq, n, replaced))
             budget -= n
         while self.waiting and budget > 0 and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
-            self._take_cached_prefix(seq)
+            self.kv.take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._blocks_needed(seq, n) > self.pool.num_free:
-                self.free_blocks(seq)
+            if self.kv.blocks_needed(seq, n) > self.pool.num_free:
+                self.kv.free(seq)
                 seq.num_computed_tokens = 0
                 if self.running:  # blocks come back as the running sequences finish
                     break
                 self._drop(seq, out)  # the whole pool is free and still too small
                 continue
             self.waiting.popleft()
-            self._admit(seq)
-            self._grow(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            self.kv.count_admitted(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.kv.grow(seq, n)
+            chosen.append((seq, n, []))
             budget -= n
+        for seq, n, replaced in chosen:
+            self._describe(seq, n, replaced, out)
+        if out.is_empty:  # nothing runs: the workers hear of the finished sequences next time
+            self._finished_ids = out.finished_seq_ids + self._finished_ids
+            out.finished_seq_ids = []
         return out
 
-    def _admit(self, seq: Sequence) -> None:
-        if self.pool.enable_caching and seq.params.prompt_logprobs is None:
-            self.pool.stats.queries += seq.num_tokens
-            self.pool.stats.hits += seq.num_computed_tokens
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def _describe(self, seq: Sequence, n: int, replaced: list[int], out: SchedulerOutput) -> None:
+        """Put what the workers need of `seq` for this step into `out` (only what they do not know)."""
+        c = seq.num_computed_tokens
+        if not seq.known_to_workers:
+            out.new_reqs.append(NewRequestData(seq.seq_id, seq.index, seq.all_token_ids, seq.num_prompt_tokens,
+                                               seq.params, sorted(seq.end_token_ids), (list(seq.block_table),), c))
+            seq.known_to_workers = True
+        else:
+            sent = seq.num_blocks_sent
+            out.cached_reqs.append(CachedRequestData(
+                seq.seq_id, (seq.block_table[sent:],), c, seq.seq_id in self._resumed,
+                ([(i, seq.block_table[i]) for i in replaced if i < sent],)))
+            self._resumed.discard(seq.seq_id)
+        seq.num_blocks_sent = len(seq.block_table)
+        out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
+        if c + n == seq.num_tokens and seq.pending_forks:
+            out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
@@ -210,15 +184,79 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.free_blocks(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
-        out.unschedulable.append(seq)
+        out.unschedulable_seq_ids.append(seq.seq_id)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished (or aborted) sequence and return its blocks."""
+        """Remove a finished (or aborted, or failed) sequence and return its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.free_blocks(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        self.seqs.pop(seq.seq_id, None)
+        self._resumed.discard(seq.seq_id)
+        if seq.known_to_workers:
+            self._finished_ids.append(seq.seq_id)
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> SchedulerUpdate:
+        """Apply a step's results: counters, prefix-cache blocks, forks, new tokens and their stop rules."""
+        result = SchedulerUpdate()
+        updates: dict[int, SeqUpdate] = {}
+        for sid, tokens in sched.scheduled_token_ids.items():
+            seq = self.seqs.get(sid)
+            if seq is not None:
+                seq.num_computed_tokens += len(tokens)
+                self.kv.cache_computed_blocks(seq)
+        for sid, plp in out.prompt_logprobs.items():
+            if sid in self.seqs:
+                updates.setdefault(sid, SeqUpdate(self.seqs[sid])).prompt_logprobs = plp
+        for sid, error in out.errors.items():
+            if sid in self.seqs:
+                result.failed.append((self.seqs[sid], error))
+        for parent_id, forks in sched.forks.items():
+            parent = self.seqs.get(parent_id)
+            if parent is None or parent_id not in out.sampled:
+                continue
+            for f in forks:
+                child = self._fork(parent, f)
+                updates[child.seq_id] = SeqUpdate(child, forked=True)
+        for sid, sampled in out.sampled.items():
+            seq = self.seqs.get(sid)
+            if seq is None:
+                continue
+            update = updates.setdefault(sid, SeqUpdate(seq))
+            for token in sampled:
+                seq.output_token_ids.append(token.token_id)
+                update.tokens.append(token)
+                if self._check_stop(seq, token.token_id):
+                    self.finish(seq)
+                    break
+        result.updates = list(updates.values())
+        return result
+
+    def _fork(self, parent: Sequence, fork: ForkData) -> Sequence:
+        """A sibling of `parent` (n > 1) sharing its computed blocks; the workers created it too."""
+        child = Sequence(fork.seq_id, parent.request_id, fork.index, list(parent.prompt_token_ids), parent.params,
+                         num_computed_tokens=parent.num_computed_tokens, end_token_ids=parent.end_token_ids)
+        self.kv.share(parent, child)
+        child.known_to_workers, child.num_blocks_sent = True, len(child.block_table)
+        self.add_running(child)
+        parent.pending_forks = 0
+        return child
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Set the finish reason when `token` ends `seq`: an end token (after min_tokens), max_tokens, the context."""
+        p, n_out = seq.params, len(seq.output_token_ids)
+        if token in seq.end_token_ids and n_out >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", (token if token in (p.stop_token_ids or ()) else None)
+            return True
+        limit = self.max_model_len if self.max_model_len is not None else float("inf")
+        max_tokens = p.max_tokens if p.max_tokens is not None else limit
+        if n_out >= max_tokens or seq.num_tokens >= limit:
+            seq.finish_reason, seq.stop_reason = "length", None
+            return True
+        return False

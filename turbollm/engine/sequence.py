@@ -3,6 +3,9 @@
 The scheduler's single rule works on two counters: `num_computed_tokens` (tokens whose
 K/V are in the cache) and `num_tokens` (prompt + generated). Each step closes part of the
 gap. A preempted sequence drops its blocks and its computed count returns to zero.
+
+A `Sequence` lives on the engine side only (scheduler and output processor); workers see it as
+plain data (`scheduler_output.py`) and keep their own state per `seq_id`.
 """
 
 from __future__ import annotations
@@ -39,11 +42,15 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     text: str = ""
-    generator: object = None  # torch.Generator when the request has a seed
     detokenizer: object = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks, in order
     num_cached_blocks: int = 0  # leading blocks already indexed in the prefix cache
     pending_forks: int = 0  # n > 1: siblings to fork off once the prompt is computed
+    end_token_ids: frozenset[int] = frozenset()  # ids that end it: stop_token_ids, plus EOS unless ignore_eos
+    # what the workers know of it (the scheduler sends only the difference): whether they have it,
+    # and how many of its blocks they hold
+    known_to_workers: bool = False
+    num_blocks_sent: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -60,6 +67,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens start .. stop - 1 of prompt + output, without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

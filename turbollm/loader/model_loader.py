@@ -55,20 +55,39 @@ def pick_linear_method(quantization: str | None, fmt: CheckpointFormat, path) ->
     return name, method
 
 
-def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve `name` (catalog name, GGUF file, HF folder or hub id) and load it on the CPU.
+@dataclass
+class ModelDescription:
+    """What the engine needs to know of a model without its weights (an engine whose workers load them)."""
 
-    `quantization` names a linear method (`turbollm.quantization.LINEAR_METHODS`); None: "gguf"
-    for a GGUF file (weights stay in its block types), "none" (float32) otherwise.
-    """
+    resolved: ResolvedModel
+    config: ModelConfig
+    tokenizer: Any  # turbollm.tokenizer.Tokenizer
+    quantization: str  # the linear method's registry name
+
+
+def describe_model(name: str, *, quantization: str | None = None) -> ModelDescription:
+    """Resolve `name` and read its config, tokenizer and linear method, loading no weights."""
+    opened = _open(name, quantization)
+    return ModelDescription(opened.resolved, opened.config, opened.tokenizer, opened.qname)
+
+
+@dataclass
+class _Opened:
+    resolved: ResolvedModel
+    config: ModelConfig
+    tokenizer: Any
+    qname: str
+    method: LinearMethod
+    source: Any  # the parsed GGUF file, or the HF folder's quantized layout (None for plain safetensors)
+
+
+def _open(name: str, quantization: str | None) -> _Opened:
     from turbollm.tokenizer import Tokenizer
 
-    t0 = time.perf_counter()
     resolved = resolve_model(name)
     qname, method = pick_linear_method(quantization, resolved.format, resolved.path)
     if resolved.format is CheckpointFormat.GGUF:
         from turbollm.formats.gguf_file import read_gguf
-        from turbollm.loader.gguf_weights import iter_gguf_weights
 
         gguf = read_gguf(resolved.path)
         cfg = config_from_gguf(gguf)
@@ -76,24 +95,41 @@ def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype
             tokenizer = Tokenizer.from_gguf(gguf.metadata)
         except ModelFormatError as e:  # the tokenizer sees only the metadata: name the file here
             raise ModelFormatError(f"{gguf.path}: {e}") from None
-        weights = iter_gguf_weights(gguf, cfg, keep_quantized=method.accepts_ggml_blocks)
-        hf_layout, file_bytes = False, gguf.tensor_bytes
-    else:
-        from turbollm.loader.safetensors_weights import iter_checkpoint_weights, quantized_checkpoint, safetensors_files
+        return _Opened(resolved, cfg, tokenizer, qname, method, gguf)
+    from turbollm.loader.safetensors_weights import quantized_checkpoint
 
-        cfg = config_from_hf(resolved.path)
-        quantized = quantized_checkpoint(resolved.path)
-        if quantized is not None:  # GPTQ/AWQ folder: its config.json decides the method
-            layout, layout_cfg = quantized
-            if quantization not in (None, layout.name):
-                raise InvalidRequestError(f"{resolved.path} is a {layout.name} checkpoint; load it without "
-                                          f"quantization={quantization!r} (its method is read from config.json)")
-            qname, method = layout.name, layout.linear_method(layout_cfg)
-        tokenizer = Tokenizer.from_hf_folder(resolved.path)
-        weights, hf_layout = iter_checkpoint_weights(resolved.path, quantized), True
+    cfg = config_from_hf(resolved.path)
+    quantized = quantized_checkpoint(resolved.path)
+    if quantized is not None:  # GPTQ/AWQ folder: its config.json decides the method
+        layout, layout_cfg = quantized
+        if quantization not in (None, layout.name):
+            raise InvalidRequestError(f"{resolved.path} is a {layout.name} checkpoint; load it without "
+                                      f"quantization={quantization!r} (its method is read from config.json)")
+        qname, method = layout.name, layout.linear_method(layout_cfg)
+    return _Opened(resolved, cfg, Tokenizer.from_hf_folder(resolved.path), qname, method, quantized)
+
+
+def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve `name` (catalog name, GGUF file, HF folder or hub id) and load it on the CPU.
+
+    `quantization` names a linear method (`turbollm.quantization.LINEAR_METHODS`); None: "gguf"
+    for a GGUF file (weights stay in its block types), "none" (float32) otherwise.
+    """
+    t0 = time.perf_counter()
+    o = _open(name, quantization)
+    cfg, resolved = o.config, o.resolved
+    if resolved.format is CheckpointFormat.GGUF:
+        from turbollm.loader.gguf_weights import iter_gguf_weights
+
+        weights = iter_gguf_weights(o.source, cfg, keep_quantized=o.method.accepts_ggml_blocks)
+        hf_layout, file_bytes = False, o.source.tensor_bytes
+    else:
+        from turbollm.loader.safetensors_weights import iter_checkpoint_weights, safetensors_files
+
+        weights, hf_layout = iter_checkpoint_weights(resolved.path, o.source), True
         file_bytes = sum(f.stat().st_size for f in safetensors_files(resolved.path))
     with torch.no_grad():
-        model = build_model(cfg, method)
+        model = build_model(cfg, o.method)
         model.load_weights(weights, hf_layout=hf_layout, source=str(resolved.path))
     model.eval()
-    return LoadedModel(resolved, cfg, model, tokenizer, time.perf_counter() - t0, file_bytes, qname)
+    return LoadedModel(resolved, cfg, model, o.tokenizer, time.perf_counter() - t0, file_bytes, o.qname)

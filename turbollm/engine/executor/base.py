@@ -1,0 +1,31 @@
+"""The executor interface: the engine hands it a step as plain data and gets plain data back."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.kv_cache import KVCacheSpec
+from turbollm.engine.runner_output import ModelRunnerOutput
+from turbollm.engine.scheduler_output import SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A worker failed a step or died; the message names the worker and says why."""
+
+
+class Executor(ABC):
+    """Owns the workers: starts them (each loads the model and allocates its KV storage), runs every
+    step on them, stops them. `loaded` is a model already loaded in this process, for executors
+    whose worker runs here."""
+
+    def __init__(self, args: EngineArgs, kv_spec: KVCacheSpec, loaded=None):
+        self.args, self.kv_spec = args, kv_spec
+        self.footprint = None  # the workers' ModelFootprint, set once they have loaded the model
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; raises ExecutorError when a worker fails it."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""

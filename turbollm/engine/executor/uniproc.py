@@ -1,0 +1,23 @@
+"""The worker in the engine's own process (today's behaviour, and the default)."""
+
+from __future__ import annotations
+
+from turbollm.engine.executor.base import Executor
+from turbollm.engine.runner_output import ModelRunnerOutput
+from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.engine.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, args, kv_spec, loaded=None):
+        super().__init__(args, kv_spec, loaded)
+        self.worker = Worker(args, kv_spec, loaded)
+        self.footprint = self.worker.footprint()
+
+    @property
+    def loaded(self):
+        """The model the worker holds (benchmarks read its weights' footprint)."""
+        return self.worker.loaded
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)

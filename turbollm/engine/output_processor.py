@@ -1,0 +1,161 @@
+"""The output processor: a step's sampled tokens → text, stop strings, logprobs with token text,
+and a `RequestOutput` for every request that changed.
+
+It owns the requests (`RequestState`: prompt, sequences, timing, error) and each sequence's
+detokenizer. Stop strings are found here, since they need the text; a sequence that writes one
+is finished through the scheduler (its text cut where the string begins). A failure in one
+request's share of this work fails that request alone (`fail`), with `finish_reason="error"` and
+`RequestOutput.error` saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from turbollm.engine.detokenizer import IncrementalDetokenizer
+from turbollm.engine.runner_output import PromptLogprobs, SampledToken
+from turbollm.engine.scheduler import Scheduler, SchedulerUpdate, SeqUpdate
+from turbollm.engine.sequence import Sequence
+from turbollm.outputs import CompletionOutput, Logprob, RequestOutput
+from turbollm.sampling_params import SamplingParams
+
+logger = logging.getLogger("turbollm")
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float  # time.monotonic()
+    first_scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
+    error: str | None = None  # why the request failed (its outputs finish with "error")
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, scheduler: Scheduler):
+        self.tokenizer, self.scheduler = tokenizer, scheduler
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, req: RequestState) -> None:
+        for seq in req.seqs:
+            self._attach_detokenizer(seq)
+        self.requests[req.request_id] = req
+
+    def _attach_detokenizer(self, seq: Sequence) -> None:
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """End every sequence of one request with finish_reason "error"; its next output says why."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.error is None:
+            logger.error("request %s failed: %s", request_id, error)
+            req.error = error
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    # ------------------------------------------------------------------ a step's results
+    def process(self, update: SchedulerUpdate, touched: dict[str, None]) -> list[RequestOutput]:
+        for seq, error in update.failed:
+            self.fail(seq.request_id, f"sampling failed: {error}")
+            touched[seq.request_id] = None
+        for u in update.updates:
+            rid = u.seq.request_id
+            touched[rid] = None
+            if rid not in self.requests:
+                continue
+            try:
+                self._apply(u)
+            except Exception as e:  # noqa: BLE001 - isolate the request, keep the batch going
+                logger.exception("processing request %s failed", rid)
+                self.fail(rid, f"{type(e).__name__}: {e}")
+        return self.outputs(touched)
+
+    def _apply(self, u: SeqUpdate) -> None:
+        seq = u.seq
+        if u.forked:
+            self.requests[seq.request_id].seqs.append(seq)
+            self._attach_detokenizer(seq)
+        if u.prompt_logprobs is not None:
+            self._record_prompt_logprobs(seq, u.prompt_logprobs)
+        if not u.tokens:
+            return
+        p = seq.params
+        start = len(seq.text)
+        for t in u.tokens:
+            self._record_logprobs(seq, t)
+            seq.text += seq.detokenizer.add(t.token_id)
+        if p.stop_strings and len(seq.output_token_ids) >= p.min_tokens and seq.finish_reason != "stop":
+            window = max(0, start - max(len(s) for s in p.stop_strings))
+            for stop in p.stop_strings:
+                idx = seq.text.find(stop, window)
+                if idx >= 0:
+                    seq.text = seq.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq)
+                    return
+        if seq.is_finished:
+            # Release what the incremental detokenizer held back (a character cut by max_tokens). The
+            # text stays the one streamed so far plus that tail: decoding the output alone would drop
+            # a SentencePiece first token's leading space that the stream (decoded with the prompt
+            # as context) has already sent.
+            seq.text += seq.detokenizer.flush()
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _record_logprobs(self, seq: Sequence, t: SampledToken) -> None:
+        seq.cumulative_logprob += t.logprob
+        if seq.params.logprobs is None:
+            return
+        entry = {t.token_id: Logprob(t.logprob, t.rank, self._piece(t.token_id))}
+        for rank, (tid, lp) in enumerate(t.top, start=1):
+            entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+        seq.output_logprobs.append(entry)
+
+    def _record_prompt_logprobs(self, seq: Sequence, plp: PromptLogprobs) -> None:
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        for j, token in enumerate(plp.token_ids):
+            if plp.first_pos + j < len(seq.prompt_logprobs):  # recomputed after a preemption: already recorded
+                continue
+            entry = {token: Logprob(plp.logprobs[j], plp.ranks[j], self._piece(token))}
+            for rank, (tid, lp) in enumerate(plp.top[j], start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+            seq.prompt_logprobs.append(entry)
+
+    # ------------------------------------------------------------------ outputs
+    def outputs(self, touched: dict[str, None]) -> list[RequestOutput]:
+        return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
+
+    def _request_output(self, req: RequestState) -> RequestOutput:
+        with_lp = req.params.logprobs is not None
+        outs = [CompletionOutput(index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
+                                 cumulative_logprob=seq.cumulative_logprob if with_lp else None,
+                                 logprobs=seq.output_logprobs if with_lp else None,
+                                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                for seq in req.seqs]
+        finished = all(s.is_finished for s in req.seqs)
+        prompt_lp = req.seqs[0].prompt_logprobs if req.params.prompt_logprobs is not None else None
+        if finished:
+            self.requests.pop(req.request_id, None)
+        metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, metrics,
+                             error=req.error)

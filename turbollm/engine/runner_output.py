@@ -1,0 +1,38 @@
+"""What a worker returns for a step: the sampled token ids and their logprobs per sequence, the
+prompt logprobs asked for, and the sequences whose sampling failed. Plain data, picklable.
+
+Logprobs are of the raw model distribution (before penalties, temperature and filters), as vLLM
+reports them; token text is added on the engine side (the workers have no tokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float = 0.0  # 0.0 when the request asked for no logprobs
+    rank: int = 0  # 1-based rank in the raw distribution (0 when not asked for)
+    top: list[tuple[int, float]] = field(default_factory=list)  # the top k (id, logprob) when asked for
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt positions `first_pos ..` (each given the tokens before it)."""
+
+    first_pos: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]  # per position, the top k (empty when k = 0)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # seq_id -> the tokens sampled for it this step (one; later, accepted draft tokens too). A forked
+    # sibling appears under its own seq_id the step it is created.
+    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why sampling it failed

@@ -1,0 +1,80 @@
+"""What the scheduler hands the executor each step: plain data only, picklable, so a worker in
+another process can run the step and keep its own per-sequence state from these diffs.
+
+A sequence is new to the workers the first time it is scheduled (`NewRequestData`: all it needs,
+its tokens included); afterwards only what changed is sent (`CachedRequestData`: blocks added or
+replaced, whether it resumes after a preemption). Every step lists the token ids each scheduled
+sequence computes (`scheduled_token_ids`: the next chunk of a prompt, the last sampled token, and
+later a speculative proposer's draft tokens after it), in batch order. Block ids are per KV-cache
+group (a tuple with one list per group; one group today). Sequences are named by `seq_id`, an int
+unique within the engine: a request with n > 1 samples has n of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from turbollm.sampling_params import SamplingParams
+
+BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
+
+
+@dataclass
+class NewRequestData:
+    """A sequence the workers have not seen yet."""
+
+    seq_id: int
+    index: int  # which of its request's n samples (a seeded sample draws with seed + index)
+    token_ids: list[int]  # every token it has so far: the prompt, then any generated ones
+    num_prompt_tokens: int
+    params: SamplingParams
+    end_token_ids: list[int]  # what `min_tokens` masks: stop_token_ids, plus EOS unless ignore_eos
+    block_ids: BlockIds
+    num_computed_tokens: int  # tokens whose K/V are already in its blocks (a prefix-cache hit)
+
+
+@dataclass
+class CachedRequestData:
+    """A sequence the workers know: what changed since they last saw it."""
+
+    seq_id: int
+    new_block_ids: BlockIds  # appended to its tables (the whole tables when `resumed_from_preemption`)
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+    # copy-on-write: (position in the table, new block id) per group, applied before the step
+    replaced_block_ids: tuple[list[tuple[int, int]], ...] = ()
+
+
+@dataclass
+class ForkData:
+    """n > 1: siblings that fork off a sequence at its first sample, sharing its blocks."""
+
+    seq_id: int
+    index: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # seq_id -> the token ids it computes this step, in batch order (len = its scheduled tokens)
+    scheduled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # parent seq_id -> the siblings sampled from its row when this step completes its prompt
+    forks: dict[int, list[ForkData]] = field(default_factory=dict)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward pass
+    finished_seq_ids: list[int] = field(default_factory=list)  # since the last step: workers drop them
+    preempted_seq_ids: list[int] = field(default_factory=list)  # this step: their blocks are gone
+    # sequences that cannot fit in the whole KV pool: taken out, to be ended with an error
+    unschedulable_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[int, int]:
+        return {s: len(t) for s, t in self.scheduled_token_ids.items()}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(t) for t in self.scheduled_token_ids.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_token_ids
