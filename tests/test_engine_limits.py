@@ -242,3 +242,79 @@ def test_the_final_text_extends_what_was_streamed(tiny):
     assert len(texts) == 6 and texts[-1].strip()
     for earlier in texts[:-1]:
         assert texts[-1].startswith(earlier), (earlier, texts[-1])
+
+
+def _failing_rows(monkeypatch, when):
+    """Make the sampler raise for the rows `when(row)` picks (the runner's rows carry seq_id and index)."""
+    real = sampler_module.apply_penalties_and_masks
+
+    def penalties(logits, rows):
+        if any(when(r) for r in rows):
+            raise RuntimeError("boom in sampling")
+        return real(logits, rows)
+
+    monkeypatch.setattr(sampler_module, "apply_penalties_and_masks", penalties)
+
+
+def test_a_forked_siblings_failed_sample_fails_its_request_and_nothing_hangs(tiny, monkeypatch):
+    """Before: a sibling's sampling error was dropped (errors were read before the fork created it), the
+    sibling sat with every token computed and nothing to run, and the engine stopped making progress."""
+    eng = engine(tiny)
+    _failing_rows(monkeypatch, lambda r: r.index == 1)
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(n=2, max_tokens=4, ignore_eos=True, seed=1), "pair")
+    eng.add_request({"prompt_token_ids": PROMPT[::-1]}, SamplingParams(max_tokens=4, ignore_eos=True), "other")
+    done = run(eng)
+    assert done["pair"].error and all(c.finish_reason == "error" for c in done["pair"].outputs)
+    assert done["other"].error is None and len(done["other"].outputs[0].token_ids) == 4
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_siblings_never_forked_leave_no_state_in_the_worker(tiny, monkeypatch):
+    """Before: the runner made the siblings' states before sampling; when the parent's first sample failed
+    the fork never happened and those states stayed in the worker for good."""
+    eng = engine(tiny)
+    _failing_rows(monkeypatch, lambda r: r.index == 0 and not r.output_token_ids and r.params.n == 3)
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(n=3, max_tokens=4, ignore_eos=True), "triple")
+    assert run(eng)["triple"].error
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, ignore_eos=True), "next")
+    eng.step()  # a step carries the finished ids to the worker
+    runner = eng.executor.worker.runner
+    assert set(runner.states) == set(eng.scheduler.seqs), (runner.states.keys(), eng.scheduler.seqs.keys())
+
+
+def test_a_failure_while_forking_ends_the_new_siblings_too(tiny, monkeypatch):
+    """Before: with n > 1 and prompt logprobs, a failure processing the parent's update failed only the
+    sequences the request had so far; the sibling forked in the same step kept generating."""
+    from turbollm.engine.output_processor import OutputProcessor
+
+    def broken(self, seq, plp):
+        raise RuntimeError("boom in prompt logprobs")
+
+    monkeypatch.setattr(OutputProcessor, "_record_prompt_logprobs", broken)
+    eng = engine(tiny)
+    eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(n=2, max_tokens=6, ignore_eos=True, prompt_logprobs=1,
+                                                                 seed=4), "r")
+    out = run(eng)["r"]
+    assert "boom" in out.error and [c.finish_reason for c in out.outputs] == ["error", "error"]
+    assert not eng.scheduler.seqs and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_preemption_changes_no_output(tiny):
+    """16 requests on a pool that forces preemption (with prefix caching and n = 2) give the same tokens and
+    logprobs as on a pool with room for all: the runner's state follows the scheduler through preemption,
+    resumption from the prefix cache and copy-on-write."""
+    from test_executors import run as run_all, workload
+
+    small = engine(tiny, kv_cache_memory=192 * BYTES_PER_TOKEN, max_num_seqs=8)
+    tight = run_all(small, workload())
+    assert small.stats()["num_preemptions"] > 0
+    roomy = run_all(engine(tiny, max_num_seqs=8), workload())
+    assert tight.keys() == roomy.keys()
+    for rid in tight:  # tokens, text and finish reasons exactly; logprobs to 1e-4 (a recomputed prompt is a
+        (outs_t, plp_t), (outs_r, plp_r) = tight[rid], roomy[rid]  # prefill, the original ran as decodes)
+        assert [o[:3] for o in outs_t] == [o[:3] for o in outs_r], rid
+        for o_t, o_r in zip(outs_t, outs_r):
+            for pos_t, pos_r in zip(o_t[3], o_r[3]):
+                assert [t for t, _ in pos_t] == [t for t, _ in pos_r]
+                assert [lp for _, lp in pos_t] == pytest.approx([lp for _, lp in pos_r], abs=1e-4)
+        assert (plp_t is None) == (plp_r is None)

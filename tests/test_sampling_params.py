@@ -102,3 +102,16 @@ def test_logprobs_are_of_the_raw_distribution():
     assert r.token_id == 1 and r.rank == 2  # the penalty moved greedy off token 0; rank is in the raw distribution
     assert r.logprob == pytest.approx(float(raw[1]))
     assert [t for t, _ in r.top] == [0, 1] and r.top[0][1] == pytest.approx(float(raw[0]))
+
+
+def test_rows_without_top_p_keep_every_token_beside_rows_with_it():
+    """Before: with one row of the batch using top-p, a row without it went through the cumulative sum too,
+    whose float32 rounding past 1.0 dropped hundreds of its tail tokens (a dependence on the batch)."""
+    from turbollm.engine.sampler import filtered_probs
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 49152, generator=g) * 4
+    probs = filtered_probs(x, [SamplingParams(top_p=0.5), SamplingParams(top_p=1.0)])
+    assert bool((probs[1] > 0).all())
+    assert torch.allclose(probs[1], x[1].softmax(-1))
+    assert int((probs[0] > 0).sum()) < 49152

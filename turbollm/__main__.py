@@ -1,3 +1,6 @@
-from turbollm.cli.main import main
 import sys
-sys.exit(main())
+
+from turbollm.cli.main import main
+
+if __name__ == "__main__":  # a worker process (spawn) re-imports this module under another name
+    sys.exit(main())

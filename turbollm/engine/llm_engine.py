@@ -26,6 +26,8 @@ import itertools
 import time
 from typing import Any
 
+import torch
+
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
 from turbollm.engine.kv_cache import BlockPool, KVCacheSpec, default_kv_budget
@@ -48,11 +50,15 @@ class LLMEngine:
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
         if args.distributed_executor_backend == "uni":
+            if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
+                torch.set_num_threads(args.threads)
             loaded = loaded or load_model(args.model, quantization=args.quantization)
             desc = loaded
         else:  # the workers load the weights; this process needs the config and the tokenizer
-            desc = loaded or describe_model(args.model, quantization=args.quantization)
-            loaded = None
+            if loaded is not None:
+                raise InvalidRequestError("a model loaded in this process cannot be handed to a worker process; "
+                                          "pass the model's name (the worker loads it)")
+            desc = describe_model(args.model, quantization=args.quantization)
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved
         model_len = min(args.max_model_len or self.config.max_position_embeddings,

@@ -158,7 +158,10 @@ class ModelRunner:
                 st.token_ids.append(res.token_id)
                 out.sampled[st.seq_id] = [SampledToken(res.token_id, res.logprob, res.rank, res.top)]
         for sid, (first, h) in prompt_rows.items():
-            out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
+            try:
+                out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
+            except Exception as e:  # noqa: BLE001 - that request fails, the step goes on
+                out.errors[sid] = f"prompt logprobs: {type(e).__name__}: {e}"
         return out
 
     @staticmethod

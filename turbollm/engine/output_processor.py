@@ -72,13 +72,19 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ a step's results
     def process(self, update: SchedulerUpdate, touched: dict[str, None]) -> list[RequestOutput]:
+        for u in update.updates:  # siblings forked this step join their request first, so a failure ends them too
+            req = self.requests.get(u.seq.request_id)
+            if u.forked and req is not None:
+                req.seqs.append(u.seq)
+                self._attach_detokenizer(u.seq)
         for seq, error in update.failed:
             self.fail(seq.request_id, f"sampling failed: {error}")
             touched[seq.request_id] = None
         for u in update.updates:
             rid = u.seq.request_id
             touched[rid] = None
-            if rid not in self.requests:
+            req = self.requests.get(rid)
+            if req is None or req.error is not None:
                 continue
             try:
                 self._apply(u)
@@ -89,9 +95,6 @@ class OutputProcessor:
 
     def _apply(self, u: SeqUpdate) -> None:
         seq = u.seq
-        if u.forked:
-            self.requests[seq.request_id].seqs.append(seq)
-            self._attach_detokenizer(seq)
         if u.prompt_logprobs is not None:
             self._record_prompt_logprobs(seq, u.prompt_logprobs)
         if not u.tokens:

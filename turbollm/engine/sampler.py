@@ -68,9 +68,13 @@ class Sampler:
         """One token for each row of `logits` [B, V] (row i belongs to rows[i])."""
         if not rows:
             return []
+        drawing = [r.generator for r in rows if r.generator is not None and not r.params.greedy]
+        saved = [(g, g.get_state()) for g in drawing + [self.default_generator]]
         try:
             return self._sample_batch(logits, rows)
         except Exception:  # noqa: BLE001 - find the row that fails; the others still get their token
+            for g, state in saved:  # the failed pass may have drawn noise: draw it again, the same
+                g.set_state(state)
             results = []
             for i, row in enumerate(rows):
                 try:
@@ -158,7 +162,9 @@ def filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
         kth = sv.gather(1, (top_k - 1).unsqueeze(1))
         sv = sv.masked_fill(sv < kth, _NEG_INF)  # top-k, ties at the k-th value kept
         probs = sv.softmax(-1)
-        drop = (probs.cumsum(-1) - probs) > top_p  # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p (rows without top-p drop nothing: their
+        # cumulative sum may round past 1.0 in float32)
+        drop = ((probs.cumsum(-1) - probs) > top_p) & (top_p < 1)
         drop[:, 0] = False
         sv = sv.masked_fill(drop, _NEG_INF)
         y = torch.empty_like(y).scatter_(1, order, sv)

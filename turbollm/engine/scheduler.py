@@ -12,7 +12,7 @@ to write into is copied first (copy-on-write).
 
 Every step makes progress or says why not: a sequence that cannot fit in the whole pool even
 with nothing else running (which the engine's cap of `max_model_len` to the pool rules out, so
-this is a last line of defence) is taken out and reported in `SchedulerOutput.unschedulable`
+this is a last line of defence) is taken out and reported in `SchedulerOutput.unschedulable_seq_ids`
 instead of preempting itself forever. An n > 1 request's siblings-to-be (`pending_forks`)
 take their `max_num_seqs` slots when the prompt is admitted.
 
@@ -214,16 +214,18 @@ class Scheduler:
         for sid, plp in out.prompt_logprobs.items():
             if sid in self.seqs:
                 updates.setdefault(sid, SeqUpdate(self.seqs[sid])).prompt_logprobs = plp
-        for sid, error in out.errors.items():
-            if sid in self.seqs:
-                result.failed.append((self.seqs[sid], error))
         for parent_id, forks in sched.forks.items():
             parent = self.seqs.get(parent_id)
             if parent is None or parent_id not in out.sampled:
+                # no fork after all (the parent's sample failed): the workers drop the siblings they made
+                self._finished_ids.extend(f.seq_id for f in forks)
                 continue
             for f in forks:
                 child = self._fork(parent, f)
                 updates[child.seq_id] = SeqUpdate(child, forked=True)
+        for sid, error in out.errors.items():  # after the forks: a sibling's own sample can fail too
+            if sid in self.seqs:
+                result.failed.append((self.seqs[sid], error))
         for sid, sampled in out.sampled.items():
             seq = self.seqs.get(sid)
             if seq is None:

@@ -13,6 +13,7 @@ import torch
 from turbollm.attention import get_attention_backend
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.kv_cache import KVCacheSpec, allocate_kv_storage
+from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.model_runner import ModelRunner
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
@@ -22,6 +23,7 @@ class Worker:
     def __init__(self, args: EngineArgs, kv_spec: KVCacheSpec, loaded=None):
         from turbollm.loader import load_model
 
+        tune_malloc()  # per process: the worker's forward passes are what it is for
         if args.threads:
             torch.set_num_threads(args.threads)
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)

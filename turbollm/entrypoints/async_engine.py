@@ -21,8 +21,8 @@ are raised to that caller only. An exception in `step()` fails the requests in f
 `EngineStepError`, after aborting them; a failure the engine pins on one request (its
 sampling or stop checks; `RequestOutput.error`) ends that stream alone with `RequestFailedError`.
 The worker keeps serving unless the engine still
-holds requests it could not abort, in which case it stops and every later call raises
-`EngineDeadError`. The caller's side (the stream, its mailbox, the commands) is in
+holds requests it could not abort, or the executor's worker process is gone (`WorkerDiedError`),
+in which case it stops and every later call raises `EngineDeadError`. The caller's side (the stream, its mailbox, the commands) is in
 `request_stream.py`.
 """
 
@@ -37,6 +37,7 @@ import uuid
 from typing import Any
 
 from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.executor.base import WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.entrypoints.request_stream import (AbortCommand, AddCommand, Mailbox, PromptType, RequestStream,
                                                  ShutdownCommand)
@@ -241,6 +242,8 @@ class AsyncLLMEngine:
                 err.__cause__ = e
                 sink.put(err)
             self._sinks.clear()
+            if isinstance(e, WorkerDiedError):  # nothing can run any more: stop, so /health says so
+                raise EngineDeadError(str(e)) from e
             if self.engine.has_unfinished_requests():
                 raise EngineDeadError(f"the engine holds requests it cannot abort after a failed step: {e}") from e
             return

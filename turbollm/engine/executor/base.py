@@ -14,6 +14,10 @@ class ExecutorError(RuntimeError):
     """A worker failed a step or died; the message names the worker and says why."""
 
 
+class WorkerDiedError(ExecutorError):
+    """A worker is gone (it exited, was killed, or its pipe is out of step): the engine cannot go on."""
+
+
 class Executor(ABC):
     """Owns the workers: starts them (each loads the model and allocates its KV storage), runs every
     step on them, stops them. `loaded` is a model already loaded in this process, for executors
