@@ -114,3 +114,15 @@ def tiny(tmp_path_factory):
             cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
         return cache[arch]
     return get
+
+
+def random_ids(seed: int, n: int) -> list[int]:
+    """n token ids drawn from the tiny vocabulary's words (ids 4 .. VOCAB-1)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(ids), vocab] for one sequence."""
+    return hf(input_ids=torch.tensor([ids])).logits[0].float()

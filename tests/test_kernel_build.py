@@ -18,24 +18,32 @@ def test_stale_torch_baton_is_removed(tmp_path):
         assert not (folder / "lock").exists()
 
 
+def _holder(tmp_path, body: str) -> subprocess.Popen:
+    """A process running `body` (after `import time` and `from pathlib import Path`), returned once it has
+    touched tmp_path / "held"."""
+    script = "import time\nfrom pathlib import Path\n" + textwrap.dedent(body)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "held").exists():
+            assert time.time() < deadline and proc.poll() is None, "the holder process never got ready"
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 def test_lock_of_a_killed_process_is_released(tmp_path):
-    holder = textwrap.dedent(f"""
-        import sys, time
-        from pathlib import Path
+    proc = _holder(tmp_path, f"""
         from turbollm.kernels import locked_build_dir
         with locked_build_dir("mod", root=Path({str(tmp_path)!r})):
             (Path({str(tmp_path)!r}) / "held").touch()
             time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", holder])
-    try:
-        deadline = time.time() + 60
-        while not (tmp_path / "held").exists():
-            assert time.time() < deadline and proc.poll() is None, "holder never took the lock"
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-        proc.wait()
+    proc.kill()
+    proc.wait()
     got = []
 
     def take():
@@ -111,16 +119,24 @@ def test_stage_sources_copies_and_refreshes(tmp_path):
     assert staged[1].stat().st_mtime_ns == stamp  # unchanged files are not rewritten (no rebuild)
 
 
+def _aged_builds(root, n: int) -> list:
+    """n build folders mod-0.. whose last use is 1000 + i seconds after the epoch (the oldest first)."""
+    import os
+
+    folders = []
+    for i in range(n):
+        with locked_build_dir(f"mod-{i:016x}", root=root) as folder:
+            folders.append(folder)
+        os.utime(folder / ".turbollm-build.lock", (1000 + i, 1000 + i))
+    return folders
+
+
 def test_prune_keeps_recent_builds_and_skips_busy_ones(tmp_path):
     import os
 
     from turbollm.kernels import prune_builds
 
-    folders = []
-    for i in range(5):
-        with locked_build_dir(f"mod-{i:016x}", root=tmp_path) as folder:
-            folders.append(folder)
-        os.utime(folder / ".turbollm-build.lock", (1000 + i, 1000 + i))
+    folders = _aged_builds(tmp_path, 5)
     (tmp_path / "mod").mkdir()  # a folder from before builds were keyed
     (tmp_path / "other-0").mkdir()
     with locked_build_dir("mod-0000000000000000", root=tmp_path) as busy:  # in use, though oldest
@@ -156,25 +172,14 @@ def test_prune_never_removes_a_build_another_process_has_loaded(tmp_path):
 
     from turbollm.kernels import prune_builds
 
-    folders = []
-    for i in range(3):
-        with locked_build_dir(f"mod-{i:016x}", root=tmp_path) as folder:
-            folders.append(folder)
-        os.utime(folder / ".turbollm-build.lock", (1000 + i, 1000 + i))
-    holder = textwrap.dedent(f"""
-        import time
-        from pathlib import Path
+    folders = _aged_builds(tmp_path, 3)
+    proc = _holder(tmp_path, f"""
         from turbollm.kernels import mark_in_use
         mark_in_use(Path({str(folders[0])!r}))
         (Path({str(tmp_path)!r}) / "held").touch()
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", holder])
     try:
-        deadline = time.time() + 60
-        while not (tmp_path / "held").exists():
-            assert time.time() < deadline and proc.poll() is None, "holder never marked the build"
-            time.sleep(0.05)
         assert prune_builds("mod", tmp_path, keep=1) == [folders[1]]  # the oldest is loaded elsewhere
         assert folders[0].exists()
     finally:

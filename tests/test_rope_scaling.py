@@ -30,7 +30,7 @@ from turbollm.errors import ModelFormatError, UnsupportedArchitectureError  # no
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.layers.rope_scaling import rope_frequencies, yarn_mscale  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
-from quant_tiny import MODEL_CLASSES, VOCAB, _randomize, save_tokenizer  # noqa: E402
+from quant_tiny import MODEL_CLASSES, VOCAB, _randomize, hf_logits, random_ids, save_tokenizer  # noqa: E402
 
 ORIGINAL, MAX_POS, SEQ_LEN = 32, 256, 96
 LOGPROB_TOL = 1e-4  # fp32 on both sides
@@ -80,13 +80,10 @@ def built(tmp_path_factory):
 
 
 def _ids(seed: int, n: int = SEQ_LEN) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+    return random_ids(seed, n)
 
 
-@torch.inference_mode()
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(input_ids=torch.tensor([ids])).logits[0].float()
+_hf_logits = hf_logits
 
 
 def _max_logprob_diff(a: torch.Tensor, b: torch.Tensor) -> float:

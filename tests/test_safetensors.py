@@ -28,7 +28,7 @@ from turbollm import LLM, SamplingParams  # noqa: E402
 from turbollm.errors import ModelFormatError, UnsupportedArchitectureError, WeightLoadError  # noqa: E402
 from turbollm.eval.parity import score  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
-from quant_tiny import save_tokenizer  # noqa: E402
+from quant_tiny import hf_logits, random_ids, save_tokenizer  # noqa: E402
 
 VOCAB = 384
 SEQ_LEN = 40
@@ -104,13 +104,10 @@ def tiny_llama(tmp_path_factory):
 
 
 def _ids(seed: int, n: int = SEQ_LEN) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+    return random_ids(seed, n)
 
 
-@torch.inference_mode()
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(input_ids=torch.tensor([ids])).logits[0].float()
+_hf_logits = hf_logits
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:

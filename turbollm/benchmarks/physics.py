@@ -132,15 +132,6 @@ def decode_ceiling_steps_per_s(phys: ModelPhysics, ceilings: Ceilings) -> float:
 
 
 # ----------------------------------------------------------------------------- counting
-def _unique_bytes(params) -> int:
-    seen, total = set(), 0
-    for p in params:
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
 def physics_of_turbollm(footprint, config, kv_itemsize: int = 4) -> ModelPhysics:
     """Count a turbollm model from its `ModelFootprint` (`LLMEngine.footprint`; linear layers by their
     logical shape, packed weights too)."""
@@ -159,8 +150,10 @@ def physics_of_hf(model, kv_itemsize: int = 4) -> ModelPhysics:
     head_ptr = head.weight.data_ptr() if head is not None else None
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
     lm_head = head.weight.numel() if head is not None else 0
-    weight_bytes = _unique_bytes(model.parameters())
-    untied = _unique_bytes(m.weight for m in model.modules()
+    from turbollm.loader.footprint import unique_bytes
+
+    weight_bytes = unique_bytes(model.parameters())
+    untied = unique_bytes(m.weight for m in model.modules()
                            if isinstance(m, nn.Embedding) and m.weight.data_ptr() != head_ptr)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = cfg.num_attention_heads

@@ -22,7 +22,8 @@ class ModelFootprint:
     file_tensor_bytes: int  # tensor bytes in the checkpoint file(s)
 
 
-def _unique_bytes(params) -> int:
+def unique_bytes(params) -> int:
+    """Bytes of the tensors `params`, each storage counted once."""
     seen, total = set(), 0
     for p in params:
         if p.data_ptr() not in seen:
@@ -46,6 +47,6 @@ def model_footprint(loaded) -> ModelFootprint:
             head_ptrs.add(m.weight.data_ptr())
         elif isinstance(m, VocabEmbedding):
             embed_tables.append(m.weight)
-    untied = _unique_bytes(w for w in embed_tables if w.data_ptr() not in head_ptrs)
+    untied = unique_bytes(w for w in embed_tables if w.data_ptr() not in head_ptrs)
     return ModelFootprint(loaded.weight_bytes, untied, linear, lm_head, loaded.weights_storage,
                           loaded.file_tensor_bytes)
