@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--data", default=None, help="evaluation text (default: WikiText-2 test beside the repository)")
     p.add_argument("--qmatmul", choices=["auto", "q8", "dequant"], default=None,
-                   help="TURBOLLM_QMATMUL for the candidates' quality pass")
+                   help="the candidates' quantized-matmul path in the quality pass (turbollm.kernels.quant)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens of the latency run")
     p.add_argument("--output-len", type=int, default=128, help="decode tokens of the latency run")

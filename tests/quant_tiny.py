@@ -97,11 +97,8 @@ def one_thread_exact_matmul(monkeypatch):
     from turbollm.kernels import quant
 
     torch.set_num_threads(1)
-    monkeypatch.setenv("TURBOLLM_QMATMUL", "dequant")
-    quant.set_default_path("dequant")
+    monkeypatch.setattr(quant, "DEFAULT_PATH", "dequant")  # the models these tests build name no path
     yield
-    monkeypatch.delenv("TURBOLLM_QMATMUL", raising=False)
-    quant.set_default_path(None)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ biases inside the product, the int8 / int4 / int3 layouts with their scales and 
 act-order folder's permuted inputs), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
 MQA, a sliding window), every integer path (q16 by default, and q8x2 for the types without it —
 the k-quants of the catalog models, whose tests are marked `model`; q8x2 forced; q8 with
-TURBOLLM_QMATMUL=fast) and both K/V dtypes. A model it cannot take (a linear method without a
+`qmatmul="fast"`) and both K/V dtypes. A model it cannot take (a linear method without a
 decode product) decodes through the modules and says why; grown RoPE tables rebuild the step.
 """
 
@@ -22,12 +22,6 @@ from test_gguf_native import TINY_PROMPTS, write_tiny_gguf
 from turbollm import LLM, SamplingParams
 
 
-@pytest.fixture
-def qpath():
-    from turbollm.kernels import quant
-
-    yield quant.set_default_path
-    quant.set_default_path(None)
 
 
 def _decode(model: str, prompts, *, eager: bool, max_tokens: int = 8, **kw):
@@ -57,10 +51,10 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize("path", ["auto", "fast", "q8x2"])
 @pytest.mark.parametrize("kv", ["float32", "float16"])
-def test_tiny_gguf_every_part_kind(tiny_gguf, qpath, path, kv):
+def test_tiny_gguf_every_part_kind(tiny_gguf, path, kv):
     """QKV of Q4_0 + dense F32 + Q8_0, gate/up Q8_0 + dense (from F16), Q5_0 and Q4_1 layers."""
-    qpath(path)
-    assert_fused_equals_eager(tiny_gguf, [{"prompt_token_ids": t} for t in TINY_PROMPTS], kv_cache_dtype=kv)
+    assert_fused_equals_eager(tiny_gguf, [{"prompt_token_ids": t} for t in TINY_PROMPTS], kv_cache_dtype=kv,
+                              qmatmul=path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
@@ -99,11 +93,11 @@ def _int_prompts():
 
 @pytest.mark.parametrize("quantization", ["int8", "int4-g32", "int3-g64"])
 @pytest.mark.parametrize("path", ["auto", "fast"])
-def test_tiny_integer_layouts(tiny_qwen2, qpath, quantization, path):
+def test_tiny_integer_layouts(tiny_qwen2, quantization, path):
     """The integer layouts quantized at load (int8 per channel; int4 / int3 with scales and zero
     points per group) on Qwen2's QKV with biases added after the product."""
-    qpath(path)
-    assert_fused_equals_eager(str(tiny_qwen2), _int_prompts(), max_tokens=10, quantization=quantization)
+    assert_fused_equals_eager(str(tiny_qwen2), _int_prompts(), max_tokens=10, quantization=quantization,
+                              qmatmul=path)
 
 
 def test_tiny_gptq_act_order_folder(tiny_qwen2, tmp_path_factory):
@@ -141,3 +135,18 @@ def test_catalog_models(name):
     prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,"]
     assert_fused_equals_eager(str(catalog_model_path(name)), prompts, max_tokens=6, kv_cache_memory=1 << 26,
                               kv_cache_dtype="float16")
+
+
+def test_qmatmul_is_per_engine(tiny_gguf):
+    """`qmatmul` is an engine argument applied to that engine's model only (before: a process-wide
+    default and TURBOLLM_QMATMUL): two engines in one process keep their own numerics."""
+    from turbollm.errors import InvalidRequestError
+
+    prompts = [{"prompt_token_ids": t} for t in TINY_PROMPTS]
+    exact, _, _ = _decode(tiny_gguf, prompts, eager=False, qmatmul="dequant")
+    coarse, _, _ = _decode(tiny_gguf, prompts, eager=False, qmatmul="q8")
+    assert exact != coarse  # 8-bit activations round the logprobs
+    again, _, _ = _decode(tiny_gguf, prompts, eager=False, qmatmul="dequant")
+    assert again == exact
+    with pytest.raises(InvalidRequestError, match="qmatmul"):
+        LLM(tiny_gguf, qmatmul="int2")

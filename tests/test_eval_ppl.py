@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from turbollm.cli.main import main
 from turbollm.eval.parity import score
-from turbollm.eval.perplexity import (QMATMUL_ENV, EvalError, check_window_args, evaluate, load_text,
+from turbollm.eval.perplexity import (EvalError, check_window_args, evaluate, load_text,
                                       paired_difference, plan_windows, qmatmul_mode)
 from turbollm.loader import load_model
 
@@ -152,28 +151,18 @@ def test_cli_bad_input_fails_before_loading(tmp_path, capsys):
     assert "less than one window" in capsys.readouterr().err
 
 
-def test_qmatmul_mode_sets_and_restores(monkeypatch):
-    """The flag switches the kernels' path (read once at import, so the variable alone would not)."""
+def test_qmatmul_mode_sets_and_restores():
+    """The flag switches the kernels' default path for the models built inside (at load), and back."""
     from turbollm.kernels import quant
 
-    monkeypatch.delenv(QMATMUL_ENV, raising=False)
-    quant.set_default_path(None)
+    assert quant.DEFAULT_PATH == "auto"
     with qmatmul_mode("q8"):
-        assert os.environ[QMATMUL_ENV] == "q8"
         assert quant._resolve_path(512, None) == "q8"
-    assert QMATMUL_ENV not in os.environ
     assert quant._resolve_path(1, None) == "q16" and quant._resolve_path(512, None) == "dequant"  # auto
-    monkeypatch.setenv(QMATMUL_ENV, "dequant")
-    with qmatmul_mode("q8x2"):
-        assert os.environ[QMATMUL_ENV] == "q8x2"
-        assert quant._resolve_path(512, None) == "q8x2"
-    assert os.environ[QMATMUL_ENV] == "dequant"
-    assert quant._resolve_path(1, None) == "dequant"
     with pytest.raises(EvalError, match="unknown --qmatmul"):
         with qmatmul_mode("int2"):
             pass
-    monkeypatch.delenv(QMATMUL_ENV)
-    quant.set_default_path(None)
+    assert quant.DEFAULT_PATH == "auto"
 
 
 # ----------------------------------------------------------------------------- statistics

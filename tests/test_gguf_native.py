@@ -34,12 +34,12 @@ from turbollm.loader import load_model
 
 
 @pytest.fixture
-def qpath():
-    """Set the kernel path of `ggml_linear` (auto | q8 | dequant, kernels/quant.py) for one test."""
+def qpath(monkeypatch):
+    """Set the kernels' default path (auto | q8 | dequant, kernels/quant.py) for one test: the models it
+    loads, and engines built without `qmatmul`, take it."""
     from turbollm.kernels import quant
 
-    yield quant.set_default_path
-    quant.set_default_path(None)  # back to TURBOLLM_QMATMUL or auto
+    return lambda path: monkeypatch.setattr(quant, "DEFAULT_PATH", quant.check_path(path))
 
 # Bounds per kernel mode, logits of the "gguf" model against the "none" model on the same file.
 # - dequant: the blocks are decoded to fp32 and multiplied; the weights are the very numbers the

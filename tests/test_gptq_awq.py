@@ -260,7 +260,9 @@ def test_cli_end_to_end_and_atomic_writes(tiny, tmp_path, monkeypatch):
     assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q.partial-*"))
     monkeypatch.undo()
     torch.set_num_threads(1)
-    monkeypatch.setenv("TURBOLLM_QMATMUL", "dequant")
+    from turbollm.kernels import quant
+
+    monkeypatch.setattr(quant, "DEFAULT_PATH", "dequant")
     stale.mkdir()
     assert main(args) == 0
     assert not stale.exists()  # a dead run's scratch folder is swept

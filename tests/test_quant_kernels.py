@@ -164,21 +164,16 @@ def test_paths_out_and_leading_dims(monkeypatch):
     q8 = Q.ggml_linear(x, w, T.Q4_K, k, path="q8")
     deq = Q.ggml_linear(x, w, T.Q4_K, k, path="dequant")
     assert q8.shape == (2, 50, n) and rel_err(q8, deq) > 1e-6
-    try:
-        monkeypatch.setenv("TURBOLLM_QMATMUL", "q8")
-        Q.set_default_path(None)
-        assert torch.equal(Q.ggml_linear(x, w, T.Q4_K, k), q8)  # 100 tokens, forced to q8
-        Q.set_default_path("dequant")
-        torch.testing.assert_close(Q.ggml_linear(x[:, :1], w, T.Q4_K, k), deq[:, :1])  # 2 tokens: not q8
-        out = torch.empty(2, 50, n)
-        assert Q.ggml_linear(x, w, T.Q4_K, k, out=out) is out and torch.equal(out, deq)
-        with pytest.raises(ValueError):
-            Q.set_default_path("fastest")
-        with pytest.raises(ValueError):
-            Q.ggml_linear(x, w, T.Q4_K, k, path="fastest")
-    finally:
-        monkeypatch.delenv("TURBOLLM_QMATMUL")
-        Q.set_default_path(None)
+    monkeypatch.setattr(Q, "DEFAULT_PATH", "q8")  # what a call naming no path takes
+    assert torch.equal(Q.ggml_linear(x, w, T.Q4_K, k), q8)  # 100 tokens, forced to q8
+    monkeypatch.setattr(Q, "DEFAULT_PATH", "dequant")
+    torch.testing.assert_close(Q.ggml_linear(x[:, :1], w, T.Q4_K, k), deq[:, :1])  # 2 tokens: not q8
+    out = torch.empty(2, 50, n)
+    assert Q.ggml_linear(x, w, T.Q4_K, k, out=out) is out and torch.equal(out, deq)
+    with pytest.raises(ValueError):
+        Q.check_path("fastest")
+    with pytest.raises(ValueError):
+        Q.ggml_linear(x, w, T.Q4_K, k, path="fastest")
 
 
 @needs_kernels

@@ -72,12 +72,12 @@ def machine_setting(ceilings: Ceilings) -> dict[str, Any]:
 
 
 def engine_setting(args) -> dict[str, Any]:
-    """The engine arguments, plus the quantized-matmul path (TURBOLLM_QMATMUL, kernels/quant.py)."""
-    from turbollm.kernels.quant import default_path
+    """The engine arguments, the quantized-matmul path spelled out (None: the kernels' default)."""
+    from turbollm.kernels.quant import DEFAULT_PATH
 
     d = asdict(args)
     d.pop("model", None)
-    d["qmatmul"] = default_path()
+    d["qmatmul"] = args.qmatmul or DEFAULT_PATH
     return d
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from turbollm.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
+from turbollm.engine.engine_args import KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
 
 
 class QuantizationFlag(argparse._StoreAction):
@@ -41,6 +41,10 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step through the PyTorch modules (default: decode steps run all layers in "
                         "one C++ call with the same kernels and the same results)")
+    p.add_argument("--qmatmul", default=None, choices=list(QMATMUL_PATHS),
+                   help="quantized-matmul numerics: auto (default; 16-bit activations for small batches, "
+                        "dequantize + fp32 sgemm for large), fast (llama.cpp's 8-bit activations: faster decode, "
+                        "KL ~4e-3), or one path for every batch size (q8, q8x2, q16, dequant)")
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data")
@@ -56,4 +60,4 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
         kv_cache_dtype=ns.kv_cache_dtype, enforce_eager=ns.enforce_eager,
-        distributed_executor_backend=ns.distributed_executor_backend)
+        distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul)

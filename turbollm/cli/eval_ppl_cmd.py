@@ -47,7 +47,7 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw beside the repository)")
     p.add_argument("--qmatmul", choices=list(QMATMUL_MODES), default=None,
-                   help="force the candidate's quantized-matmul path (sets TURBOLLM_QMATMUL)")
+                   help="force the candidate's quantized-matmul path (at load and when scored)")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")

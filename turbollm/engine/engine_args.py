@@ -35,6 +35,9 @@ KV_CACHE_DTYPES: dict[str, str] = {
 # (linear method "none", or none named, as `eval ppl` measures the weights alone) keeps float32.
 AUTO_KV_DTYPE_QUANTIZED = "float16"
 
+# the quantized-matmul paths of turbollm.kernels.quant (by name: this module stays import-light)
+QMATMUL_PATHS = ("auto", "fast", "q8", "q8x2", "q16", "dequant")
+
 
 def kv_cache_torch_dtype(name: str, quantization: str | None = None):
     """The torch dtype of kv_cache_dtype `name` (a key of KV_CACHE_DTYPES) for a model loaded with
@@ -67,6 +70,10 @@ class EngineArgs:
     # True: every step runs the layers as PyTorch modules; False: pure-decode steps run all
     # layers in one C++ call with the same kernels (models/decode_step.py; same results, less Python)
     enforce_eager: bool = False
+    # quantized-matmul numerics (turbollm.kernels.quant): "auto" (None: the default; q16 for small
+    # batches, dequantize + sgemm above), "fast" (llama.cpp's q8 levels), or one path forced for every
+    # batch size ("q8", "q8x2", "q16", "dequant"). Applied to this engine's model only.
+    qmatmul: str | None = None
     # how the engine reaches its worker: "uni" (in this process) or "mp" (one worker process that
     # loads the model; plain data crosses the process boundary each step)
     distributed_executor_backend: str = "uni"
@@ -80,6 +87,8 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("float32", "auto"):
             raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
+        if self.qmatmul is not None and self.qmatmul not in QMATMUL_PATHS:
+            raise InvalidRequestError(f"qmatmul {self.qmatmul!r}: choose one of {', '.join(QMATMUL_PATHS)}")
         if self.distributed_executor_backend not in ("uni", "mp"):
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
                                       "'uni' (the worker in this process) or 'mp' (a worker process)")

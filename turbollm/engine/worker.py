@@ -17,6 +17,7 @@ from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.model_runner import ModelRunner
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.quantization.base import set_qmatmul
 
 
 class Worker:
@@ -27,6 +28,7 @@ class Worker:
         if args.threads:
             torch.set_num_threads(args.threads)
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)
+        set_qmatmul(self.loaded.model, args.qmatmul)  # this engine's numerics, on its model only
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_spec), args.block_size,
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                                   seed=args.seed)

@@ -32,7 +32,6 @@ windows, no scheduler, no sampler), so it is the same code path the engine's pre
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ import torch
 from turbollm.errors import TurboLLMError
 from turbollm.eval.parity import flat_prefill_batch
 from turbollm.loader import LoadedModel
+from turbollm.quantization.base import set_qmatmul
 
 WIKITEXT = Path("wikitext-2-raw") / "wiki.test.raw"
 SCORING = {
@@ -51,7 +51,6 @@ SCORING = {
     "half": "only positions ctx//2 .. ctx-2 of a window are scored (ctx - 1 - ctx//2 tokens per window), "
             "like llama.cpp's llama-perplexity",
 }
-QMATMUL_ENV = "TURBOLLM_QMATMUL"
 QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "q16", "dequant")  # turbollm.kernels.quant's paths
 ROW_CHUNK = 128  # rows of logits turned into float64 log-probs at a time (bounds memory on big vocabularies)
 
@@ -142,8 +141,9 @@ def tokenize_text(tokenizer, text: str) -> tuple[list[int], int | None]:
 
 @contextmanager
 def qmatmul_mode(mode: str | None) -> Iterator[None]:
-    """Force the quantized-matmul path (see turbollm.kernels.quant) for the duration, and
-    TURBOLLM_QMATMUL with it; None leaves both alone."""
+    """Make `mode` the kernels' default quantized-matmul path for the duration (what a model built
+    inside takes at load, e.g. int8 equalization's passes); None leaves it alone. The models scored
+    get their path per model (`evaluate(qmatmul=...)`, `set_qmatmul`)."""
     if mode is None:
         yield
         return
@@ -151,17 +151,11 @@ def qmatmul_mode(mode: str | None) -> Iterator[None]:
         raise EvalError(f"unknown --qmatmul {mode!r}; choose from {', '.join(QMATMUL_MODES)}")
     from turbollm.kernels import quant
 
-    old = os.environ.get(QMATMUL_ENV)
-    os.environ[QMATMUL_ENV] = mode
-    quant.set_default_path(mode)  # the kernels read the variable once, at import
+    old, quant.DEFAULT_PATH = quant.DEFAULT_PATH, mode
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(QMATMUL_ENV, None)
-        else:
-            os.environ[QMATMUL_ENV] = old
-        quant.set_default_path(None)
+        quant.DEFAULT_PATH = old
 
 
 @torch.inference_mode()
@@ -243,7 +237,7 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
     """Perplexity of each candidate on `plan`'s windows, and KL/top-1/Δppl against `reference` if given.
 
     The reference runs once per batch of windows (float32 K/V), then each candidate (with
-    TURBOLLM_QMATMUL set to `qmatmul` and K/V stored in `kv_dtype`, around the candidates only).
+    their quantized-matmul path set to `qmatmul` and K/V stored in `kv_dtype`).
     Returns one dict per candidate.
     """
     if not candidates:
@@ -257,6 +251,11 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
         if plan.ctx > m.config.max_position_embeddings:
             raise EvalError(f"--ctx {plan.ctx} exceeds {m.resolved.name}'s context of "
                             f"{m.config.max_position_embeddings} tokens")
+    if qmatmul is not None:
+        if qmatmul not in QMATMUL_MODES:
+            raise EvalError(f"unknown --qmatmul {qmatmul!r}; choose from {', '.join(QMATMUL_MODES)}")
+        for cand in candidates:
+            set_qmatmul(cand.model, qmatmul)
     accs, ref_acc = [_Acc() for _ in candidates], _Acc()
     bar = _progress(len(plan.windows), progress)
     t0 = time.perf_counter()
@@ -267,9 +266,8 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
         if reference is not None:
             ref = scored_logits(reference, plan, idx)
             ref_acc.add(ref, targets)
-        with qmatmul_mode(qmatmul):
-            for acc, cand in zip(accs, candidates):
-                acc.add(scored_logits(cand, plan, idx, kv_dtype), targets, ref)
+        for acc, cand in zip(accs, candidates):
+            acc.add(scored_logits(cand, plan, idx, kv_dtype), targets, ref)
         del ref
         if bar is not None:
             post = {"ppl": f"{accs[0].ppl:.4f}"}

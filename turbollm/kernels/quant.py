@@ -37,14 +37,13 @@ The default, ``auto``, takes q16 (q8x2 for types without 16-bit kernels) up to
 dequant above (llama.cpp's accuracy, faster decode).
 Measured mean KL of the logits against the fp32 model on 3 parity prompts (~550 positions):
 q8 3.9e-3 (smollm2-135m Q4_1) and 9.1e-3 (gemma3-270m Q4_K_M); q8x2 4.9e-8 and 1.1e-7;
-dequant 0. ``path=`` (or ``set_default_path``, or the environment variable
-``TURBOLLM_QMATMUL=auto|fast|q8|q8x2|q16|dequant`` read at import) picks the path; q8, q8x2, q16
-and dequant force it for every M, so the accuracy of each can be measured on its own.
+dequant 0. ``path=`` picks the path (a call that names none takes ``DEFAULT_PATH``, "auto");
+q8, q8x2, q16 and dequant force it for every M, so the accuracy of each can be measured on its
+own. An engine chooses per model (`EngineArgs.qmatmul`, applied to its layers by
+`quantization.base.set_qmatmul`): no environment variable or process-wide switch decides it.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -130,27 +129,21 @@ def kernel_supported(qtype: int) -> bool:
     return _kernels(qtype) is not None
 
 
-def set_default_path(path: str | None) -> None:
-    """Set the path used when a call passes none (one of ``_PATHS``); None re-reads
-    ``TURBOLLM_QMATMUL`` (read once at import: os.environ costs microseconds per lookup)."""
-    path = path or os.environ.get("TURBOLLM_QMATMUL") or "auto"
+#: The path of a call that names none. Engines name theirs per model (`set_qmatmul`); tests of the
+#: exact numerics swap this default for the models they build directly.
+DEFAULT_PATH = "auto"
+
+
+def check_path(path: str) -> str:
     if path not in _PATHS:
         raise ValueError(f"unknown quantized-matmul path {path!r}; expected one of {_PATHS}")
-    _cache["path"] = path
-
-
-set_default_path(None)
-
-
-def default_path() -> str:
-    """The path calls without ``path=`` take ("auto" unless set or TURBOLLM_QMATMUL says otherwise)."""
-    return _cache["path"]
+    return path
 
 
 def _resolve_path(m: int, path: str | None) -> str:
     """The path ("q8", "q8x2", "q16" or "dequant") a call of m tokens takes (q16: q8x2 for the types
     without 16-bit kernels)."""
-    path = path or _cache["path"]
+    path = path or DEFAULT_PATH
     if path == "auto":
         return "q16" if m <= Q8X2_MAX_TOKENS else "dequant"
     if path == "fast":
@@ -222,7 +215,7 @@ def ggml_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, *, out: to
     """``x @ W.T`` for a GGML-typed weight (kernels when the type has them, else the reference).
 
     ``out`` (float32, contiguous, ``[*x.shape[:-1], N]``) receives the result; ``path`` forces
-    "q8" or "dequant" (default: ``TURBOLLM_QMATMUL`` or auto by token count).
+    "q8" or "dequant" (default: ``DEFAULT_PATH``, auto by token count).
     """
     mod = _kernels(qtype)
     if mod is None:

@@ -20,6 +20,7 @@ from turbollm.errors import WeightLoadError
 from turbollm.formats.ggml_quantizers import get_quantizer, quantize
 from turbollm.kernels.dense import dense_linear
 from turbollm.kernels.quant import ggml_embedding, ggml_linear
+from turbollm.quantization.base import qmatmul_of
 from turbollm.quantization.qtensor import QuantizedTensor, copy_checked, mark_ggml
 
 
@@ -82,4 +83,5 @@ class LMHead(VocabEmbedding):
         if qtype is None:
             return dense_linear(hidden, self.weight)
         flat = hidden.reshape(-1, self.dim)
-        return ggml_linear(flat, self.weight, qtype, self.dim).reshape(*hidden.shape[:-1], self.vocab_size)
+        return ggml_linear(flat, self.weight, qtype, self.dim, path=qmatmul_of(self)).reshape(
+            *hidden.shape[:-1], self.vocab_size)

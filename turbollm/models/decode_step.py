@@ -27,7 +27,7 @@ from turbollm.distributed import get_tp
 from turbollm.kernels import cpu_kernels
 from turbollm.kernels.quant import q8_levels
 from turbollm.models.forward_batch import ForwardBatch
-from turbollm.quantization.base import DENSE_PART
+from turbollm.quantization.base import DENSE_PART, qmatmul_of
 
 logger = logging.getLogger("turbollm")
 
@@ -80,7 +80,7 @@ def _fused(decoder: nn.Module, x: torch.Tensor, batch: ForwardBatch):
     max_pos = batch.max_position if batch.max_position is not None else int(batch.positions.max())
     if max_pos >= state.rope_len:
         return None  # the module path grows the tables; the step is rebuilt on them next time
-    levels = q8_levels(x.shape[0])
+    levels = q8_levels(x.shape[0], qmatmul_of(decoder))
     if levels is None:
         if state.quantized:
             return None

@@ -128,3 +128,21 @@ def get_linear_method(name: str | None) -> LinearMethod:
     if key not in LINEAR_METHODS:
         raise InvalidRequestError(f"unknown quantization {name!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
     return LINEAR_METHODS[key]()
+
+
+def set_qmatmul(model: nn.Module, path: str | None) -> None:
+    """Give every module of `model` the quantized-matmul path `path` (`kernels.quant`: auto, fast, q8,
+    q8x2, q16, dequant; None: the kernels' default, auto). Linear methods, the LM head and the fused
+    decode step read it from the module they run for (`qmatmul_of`), so two models in one process
+    can run different numerics."""
+    from turbollm.kernels.quant import check_path
+
+    if path is not None:
+        check_path(path)
+    for m in model.modules():
+        m.qmatmul = path
+
+
+def qmatmul_of(module: nn.Module) -> str | None:
+    """The quantized-matmul path `set_qmatmul` gave `module` (None: the kernels' default)."""
+    return module.__dict__.get("qmatmul")

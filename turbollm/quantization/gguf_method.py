@@ -27,7 +27,7 @@ from torch import nn
 from turbollm.errors import WeightLoadError
 from turbollm.kernels.dense import dense_linear
 from turbollm.kernels.quant import ggml_linear, kernel_supported
-from turbollm.quantization.base import DENSE_PART, DecodeParts, LinearMethod, register_linear_method
+from turbollm.quantization.base import DENSE_PART, DecodeParts, LinearMethod, qmatmul_of, register_linear_method
 from turbollm.quantization.qtensor import GGML_F32, QuantizedTensor, ggml_type_name, mark_ggml
 
 
@@ -59,8 +59,8 @@ def _join(shards: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor:
     return torch.cat([s.to(torch.float32) for s in shards], dim=0)
 
 
-def _matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    return dense_linear(x, w) if qtype == GGML_F32 else ggml_linear(x, w, qtype, k)
+def _matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, path: str | None) -> torch.Tensor:
+    return dense_linear(x, w) if qtype == GGML_F32 else ggml_linear(x, w, qtype, k, path=path)
 
 
 @register_linear_method("gguf")
@@ -121,10 +121,11 @@ class GGUFLinearMethod(LinearMethod):
         if not run:
             raise RuntimeError(f"{type(layer).__name__}: weights not loaded (process_weights_after_loading not run)")
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        path = qmatmul_of(layer)
         if len(run) == 1:
-            y = _matmul(x2, run[0][1], run[0][0], k)
+            y = _matmul(x2, run[0][1], run[0][0], k, path)
         else:  # each part yields its own output columns, in row order
-            y = torch.cat([_matmul(x2, w, qtype, k) for qtype, w in run], dim=-1)
+            y = torch.cat([_matmul(x2, w, qtype, k, path) for qtype, w in run], dim=-1)
         if bias is not None:
             y += bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)

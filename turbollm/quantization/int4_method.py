@@ -32,7 +32,7 @@ from turbollm.errors import InvalidRequestError, WeightLoadError
 from turbollm.formats.packing import pack_3bit, pack_nibbles, unpack_3bit, unpack_nibbles
 from turbollm.kernels.quant import (INT3_GROUPWISE, INT4_GROUPWISE, groupwise_kernel_path, groupwise_meta, int3_linear,
                                    int4_linear)
-from turbollm.quantization.base import DecodeParts, LinearMethod, register_linear_method
+from turbollm.quantization.base import DecodeParts, LinearMethod, qmatmul_of, register_linear_method
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
 
 GROUP_SIZES = (32, 64, 128)
@@ -164,7 +164,8 @@ class Int4LinearMethod(LinearMethod):
         if perm is not None:
             x2 = x2.index_select(1, perm)
         linear = CODE_STORAGE[layer.int4_storage_bits].linear
-        y = linear(x2, layer.weight, layer.weight_scales, layer.weight_zeros, layer.int4_group_size)
+        y = linear(x2, layer.weight, layer.weight_scales, layer.weight_zeros, layer.int4_group_size,
+                   path=qmatmul_of(layer))
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], layer.out_features)

@@ -26,7 +26,7 @@ from torch import nn
 
 from turbollm.kernels.quant import INT8_PER_CHANNEL, int8_kernel_path, int8_linear, int8_scale
 from turbollm.log import init_logger
-from turbollm.quantization.base import DecodeParts, LinearMethod, linear_layers, register_linear_method
+from turbollm.quantization.base import DecodeParts, LinearMethod, linear_layers, qmatmul_of, register_linear_method
 from turbollm.quantization.group_quant import int8_per_channel
 
 
@@ -90,7 +90,7 @@ class Int8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, layer.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = int8_linear(x2, layer.weight, layer.weight_scale)
+        y = int8_linear(x2, layer.weight, layer.weight_scale, path=qmatmul_of(layer))
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], layer.out_features)
