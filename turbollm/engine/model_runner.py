@@ -12,13 +12,14 @@ rows of requests that ask for them. Output: `ModelRunnerOutput`, plain data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from turbollm.attention import AttentionBackend, AttentionMetadata
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
-from turbollm.engine.sampler import Sampler, SamplingRow
+from turbollm.engine.sampler import Sampler, SamplingRow, ranked_logprobs
 from turbollm.engine.scheduler_output import ForkData, NewRequestData, SchedulerOutput
 from turbollm.models import decode_step
 from turbollm.models.common import CausalLM
@@ -33,7 +34,6 @@ class SeqState(SamplingRow):
     index: int
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int = 0
-    extra: dict = field(default_factory=dict)  # room for what later techniques keep per sequence
 
 
 def _generator(params, index: int) -> torch.Generator | None:
@@ -84,11 +84,10 @@ class ModelRunner:
 
     @staticmethod
     def _fork_state(parent: SeqState, fork: ForkData) -> SeqState:
-        return SeqState(params=parent.params, token_ids=list(parent.token_ids),
-                        num_prompt_tokens=parent.num_prompt_tokens, end_token_ids=parent.end_token_ids,
-                        generator=_generator(parent.params, fork.index), seq_id=fork.seq_id, index=fork.index,
-                        block_ids=tuple(list(b) for b in parent.block_ids),
-                        num_computed_tokens=parent.num_computed_tokens)
+        """A sibling's state: the parent's, with its own id, index, generator and copies of the lists."""
+        return dataclasses.replace(parent, token_ids=list(parent.token_ids), seq_id=fork.seq_id, index=fork.index,
+                                   generator=_generator(parent.params, fork.index),
+                                   block_ids=tuple(list(b) for b in parent.block_ids))
 
     # ------------------------------------------------------------------ the step
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
@@ -166,13 +165,5 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_logprobs(st: SeqState, first: int, logits: torch.Tensor) -> PromptLogprobs:
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        tokens = st.token_ids[first:first + lp.shape[0]]
-        chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1))
-        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-        k = st.params.prompt_logprobs
-        top: list[list[tuple[int, float]]] = [[] for _ in tokens]
-        if k:
-            vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-            top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-        return PromptLogprobs(first, tokens, chosen[:, 0].tolist(), ranks, top)
+        tokens = st.token_ids[first:first + logits.shape[0]]
+        return PromptLogprobs(first, tokens, *ranked_logprobs(logits, tokens, st.params.prompt_logprobs))

@@ -56,18 +56,18 @@ class OutputProcessor:
         if req.error is None:
             logger.error("request %s failed: %s", request_id, error)
             req.error = error
-        for seq in req.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "error"
-                self.scheduler.finish(seq)
+        self._end(req, "error")
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
-        if req is None:
-            return
+        if req is not None:
+            self._end(req, "abort")
+
+    def _end(self, req: RequestState, reason: str) -> None:
+        """Finish every unfinished sequence of `req` with `reason`, returning its blocks."""
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 self.scheduler.finish(seq)
 
     # ------------------------------------------------------------------ a step's results

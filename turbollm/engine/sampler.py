@@ -51,9 +51,18 @@ class SampleResult:
     error: str | None = None  # sampling this row raised: the engine fails its request
 
 
-def token_rank(logprobs: torch.Tensor, token: int) -> int:
-    """1 + the number of tokens strictly more likely than `token` (logprobs: [V])."""
-    return int((logprobs > logprobs[token]).sum().item()) + 1
+def ranked_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int
+                    ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    """For each row of `logits` [R, V] and its token: the token's logprob, its 1-based rank (1 + the
+    tokens strictly more likely) and the row's top k (id, logprob) (empty lists when k = 0)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(list(tokens), dtype=torch.int64).unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if k:
+        vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return chosen[:, 0].tolist(), ranks, top
 
 
 class Sampler:
@@ -181,19 +190,10 @@ def _with_logprobs(raw: torch.Tensor, tokens: list[int], rows: Sequence[Sampling
     results = [SampleResult(t, 0.0, 0, []) for t in tokens]
     if not want:
         return results
-    lp = torch.log_softmax(raw[want], dim=-1)
-    chosen = torch.tensor([tokens[i] for i in want])
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1))
-    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
     k_max = max(rows[i].params.logprobs for i in want)
-    top_vals = top_idx = None
-    if k_max:
-        top_vals, top_idx = torch.topk(lp, min(k_max, lp.shape[-1]), dim=-1)
-        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+    chosen, ranks, top = ranked_logprobs(raw[want], [tokens[i] for i in want], k_max)
     for j, i in enumerate(want):
-        k = rows[i].params.logprobs
-        top = list(zip(top_idx[j][:k], top_vals[j][:k])) if k and top_idx is not None else []
-        results[i] = SampleResult(tokens[i], float(chosen_lp[j, 0]), ranks[j], top)
+        results[i] = SampleResult(tokens[i], chosen[j], ranks[j], top[j][:rows[i].params.logprobs])
     return results
 
 

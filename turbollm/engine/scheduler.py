@@ -89,12 +89,6 @@ class Scheduler:
         """Sequence slots taken: every running sequence plus the siblings its prompt will fork."""
         return sum(1 + s.pending_forks for s in self.running)
 
-    def free_blocks(self, seq: Sequence) -> None:
-        self.kv.free(seq)
-
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        self.kv.cache_computed_blocks(seq)
-
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
@@ -180,21 +174,21 @@ class Scheduler:
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.kv.free(seq)
+        self._dequeue(seq)
         seq.num_computed_tokens = 0
         out.unschedulable_seq_ids.append(seq.seq_id)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished (or aborted, or failed) sequence and return its blocks."""
+    def _dequeue(self, seq: Sequence) -> None:
+        """Take `seq` out of the running or waiting queue and return its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted, or failed) sequence and return its blocks."""
+        self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
         self.seqs.pop(seq.seq_id, None)
         self._resumed.discard(seq.seq_id)

@@ -68,13 +68,5 @@ class SchedulerOutput:
     unschedulable_seq_ids: list[int] = field(default_factory=list)
 
     @property
-    def num_scheduled_tokens(self) -> dict[int, int]:
-        return {s: len(t) for s, t in self.scheduled_token_ids.items()}
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(len(t) for t in self.scheduled_token_ids.values())
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled_token_ids

@@ -153,7 +153,7 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
             if not req.messages:
                 raise bad_request("'messages' is empty", "messages")
             ids = await ctx.render_chat(req.messages, req.add_generation_prompt)
-        body = {"tokens": list(ids), "count": len(ids), "max_model_len": ctx.max_model_len}
+        body = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
         # serialized in the worker thread too: FastAPI's encoder walks a long token list in Python on the loop
         return Response(await off_loop(json.dumps, body), media_type="application/json")
 

@@ -93,14 +93,14 @@ class ServingContext:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (in a worker thread)."""
-        return list(await off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+        return await off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def render_chat(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
         """The chat template applied to `messages`, as checked token ids (in a worker thread)."""
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         ids = await off_loop(self.tokenizer.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt,
                              tokenize=True)
-        return self.check_ids(list(ids), "messages")
+        return self.check_ids(ids, "messages")
 
     def tokenizer_info(self) -> dict[str, Any]:
         """What vLLM's /tokenizer_info gives: the special tokens' texts, the chat template, the context."""
