@@ -48,7 +48,7 @@ def run_wrapped(llm, body, **shutdown_kw):
 
     result = asyncio.run(main())
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.pool.num_used == 0
+    assert llm.engine.kv_manager.num_used == 0
     return result
 
 
@@ -148,7 +148,7 @@ def test_leaving_a_stream_aborts_it(llm):
         assert n == 2
         # The 200-token requests were left after a few tokens: gone by the time 8-token ones end.
         assert not {"breaker", "cancelled"} & set(llm.engine.requests)
-        await wait_for(lambda: llm.engine.pool.num_used == 0, timeout=2)
+        await wait_for(lambda: llm.engine.kv_manager.num_used == 0, timeout=2)
         assert not llm.engine.has_unfinished_requests() and aengine.num_in_flight == 0
         return other_outs
 
@@ -201,7 +201,7 @@ def test_step_error_fails_in_flight_and_loop_survives(llm):
     async def body(aengine):
         results = await asyncio.gather(*(collect(aengine, p, LONG) for p in PROMPTS[:2]), return_exceptions=True)
         assert all(isinstance(r, EngineStepError) and isinstance(r.__cause__, RuntimeError) for r in results)
-        assert llm.engine.pool.num_used == 0 and aengine.is_running
+        assert llm.engine.kv_manager.num_used == 0 and aengine.is_running
         return await collect(aengine, PROMPTS[0], GREEDY8)
 
     llm.engine.step = flaky_step

@@ -408,7 +408,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def _engine_is_idle(llm: LLM) -> bool:
     engine = llm.engine
     return (not engine.has_unfinished_requests() and not engine.requests
-            and engine.pool.num_free == engine.kv_spec.num_blocks)
+            and engine.kv_manager.num_free == engine.kv_config.num_blocks)
 
 
 @pytest.mark.model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from turbollm.engine.kv_cache import BlockPool, hash_block
+from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler import Scheduler
 from turbollm.engine.sequence import Sequence
@@ -50,11 +51,11 @@ def test_prefix_hash_chain_depends_on_all_previous_tokens():
 
 def test_prefix_cache_hit_reuses_exact_blocks_and_counts_tokens():
     pool = BlockPool(8)
-    sched = Scheduler(pool, BS, max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), max_num_seqs=4, max_num_batched_tokens=64)
     a = seq(0, list(range(10)))  # blocks: [0..3] [4..7] [8, 9]
     sched.add(a)
     run_step(sched)
-    assert a.block_table == [0, 1, 2] and a.num_computed_tokens == 10
+    assert a.block_tables[0] == [0, 1, 2] and a.num_computed_tokens == 10
     assert set(pool.cached.values()) == {0, 1}  # only full blocks are indexed
     assert pool.stats.queries == 10 and pool.stats.hits == 0
     sched.finish(a)
@@ -63,7 +64,7 @@ def test_prefix_cache_hit_reuses_exact_blocks_and_counts_tokens():
     b = seq(1, list(range(8)) + [42, 43, 44])
     sched.add(b)
     out = run_step(sched)
-    assert b.block_table[:2] == [0, 1]  # the cached prefix, same block ids
+    assert b.block_tables[0][:2] == [0, 1]  # the cached prefix, same block ids
     assert new_tokens(out)[0] == 3  # only the tokens after the hit are computed
     assert pool.stats.hits == 8 and pool.stats.queries == 10 + 11
     assert pool.ref_counts[0] == pool.ref_counts[1] == 1
@@ -71,7 +72,7 @@ def test_prefix_cache_hit_reuses_exact_blocks_and_counts_tokens():
 
 def test_full_prompt_hit_still_computes_the_last_token():
     pool = BlockPool(8)
-    sched = Scheduler(pool, BS, 4, 64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), 4, 64)
     a = seq(0, list(range(8)))
     sched.add(a)
     run_step(sched)
@@ -79,13 +80,13 @@ def test_full_prompt_hit_still_computes_the_last_token():
     b = seq(1, list(range(8)))
     sched.add(b)
     out = run_step(sched)
-    assert b.block_table[0] == 0 and new_tokens(out)[0] == 4  # block 1 recomputed (1 hit of 2)
+    assert b.block_tables[0][0] == 0 and new_tokens(out)[0] == 4  # block 1 recomputed (1 hit of 2)
     assert pool.stats.hits == 4
 
 
 def test_lru_eviction_order():
     pool = BlockPool(4)
-    sched = Scheduler(pool, BS, 4, 64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), 4, 64)
     for i, base in enumerate([100, 200]):
         s = seq(i, [base + t for t in range(8)])  # two full blocks each
         sched.add(s)
@@ -97,7 +98,7 @@ def test_lru_eviction_order():
     c = seq(2, [300 + t for t in range(5)])  # needs 2 new blocks: evicts 1 then 0
     sched.add(c)
     run_step(sched)
-    assert c.block_table == [1, 0] and pool.stats.evictions == 2
+    assert c.block_tables[0] == [1, 0] and pool.stats.evictions == 2
     # block 1 now holds c's first (full) block; block 0 its partial one, not indexed
     assert sorted(pool.cached.values()) == [1, 2, 3] and pool.block_hash[0] is None
     # seq1's prefix is still cached and hits
@@ -105,19 +106,19 @@ def test_lru_eviction_order():
     d = seq(3, [200 + t for t in range(8)] + [7])
     sched.add(d)
     run_step(sched)
-    assert d.block_table[:2] == [2, 3]
+    assert d.block_tables[0][:2] == [2, 3]
 
 
 def test_copy_on_write_when_a_shared_block_is_written():
     pool = BlockPool(6)
-    sched = Scheduler(pool, BS, 4, 64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), 4, 64)
     parent = seq(0, [1, 2, 3, 4, 5, 6])  # the second block is partial: [5, 6, _, _]
     sched.add(parent)
     run_step(sched)
     child = seq(1, [1, 2, 3, 4, 5, 6])
     child.num_computed_tokens = parent.num_computed_tokens
-    child.block_table = list(parent.block_table)
-    for b in child.block_table:
+    child.block_tables = [list(parent.block_tables[0])]
+    for b in child.block_tables[0]:
         pool.touch(b)
     sched.add_running(child)
     assert pool.ref_counts[:2] == [2, 2]
@@ -125,24 +126,24 @@ def test_copy_on_write_when_a_shared_block_is_written():
     child.output_token_ids.append(8)
     out = sched.schedule()
     # the parent writes into shared block 1 first: it gets a copy; then the child owns block 1 alone
-    assert out.copy_blocks == [(1, 2)]
-    assert parent.block_table == [0, 2] and child.block_table == [0, 1]
+    assert out.copy_blocks == [(0, 1, 2)]
+    assert parent.block_tables[0] == [0, 2] and child.block_tables[0] == [0, 1]
     assert pool.ref_counts[:3] == [2, 1, 1]
 
 
 def test_preemption_frees_newest_and_requeues_it_first():
     pool = BlockPool(3)
-    sched = Scheduler(pool, BS, 4, 64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), 4, 64)
     a, b = seq(0, [1, 2, 3, 4]), seq(1, [9, 8, 7, 6])
     sched.add(a)
     sched.add(b)
     run_step(sched)
-    assert a.block_table == [0] and b.block_table == [1]
+    assert a.block_tables[0] == [0] and b.block_tables[0] == [1]
     for s in (a, b):
         s.output_token_ids += [5, 5, 5, 5]  # both need a second block; one block is free
     out = run_step(sched)
     assert list(out.scheduled_token_ids) == [a.seq_id] and out.preempted_seq_ids == [b.seq_id]
-    assert b.num_computed_tokens == 0 and b.block_table == [] and sched.waiting[0] is b
+    assert b.num_computed_tokens == 0 and b.block_tables == [] and sched.waiting[0] is b
     assert sched.num_preemptions == 1
 
 

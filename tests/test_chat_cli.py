@@ -99,7 +99,7 @@ def test_session_second_turn_sees_the_first(llm):
     assert out.getvalue() == f"{r1}\n{r2}\n"
     assert len(STATUS.findall(err.getvalue())) == 2
     assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
-    assert llm.engine.pool.num_used == 0
+    assert llm.engine.kv_manager.num_used == 0
 
 
 def test_session_drops_oldest_turns_and_stops_on_flag(llm, monkeypatch):
@@ -127,6 +127,6 @@ def test_session_drops_oldest_turns_and_stops_on_flag(llm, monkeypatch):
     session = ChatSession(llm.engine, long, out=io.StringIO(), err=err)
     reply = session.send("Count from one to one hundred.", StopAfter())
     assert "interrupted" in err.getvalue().splitlines()[-1]
-    assert not llm.engine.has_unfinished_requests() and llm.engine.pool.num_used == 0
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.num_used == 0
     assert len(llm.get_tokenizer().encode(reply, add_special_tokens=False)) < 10
     assert session.messages[-1] == {"role": "assistant", "content": reply} if reply else session.messages == []

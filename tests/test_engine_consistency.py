@@ -92,7 +92,7 @@ def test_alone_batched_prefix_chunked_agree(model_path):
     assert_same_greedy(alone, _run(llm_nocache, prompts, gen), "batched, prefix caching off")
     llm_chunked = LLM(model_path, kv_cache_memory=512 << 20, max_num_batched_tokens=64, threads=1, quantization=QUANT)
     assert_same_greedy(alone, _run(llm_chunked, prompts, gen), "max_num_batched_tokens=64 (chunked prefill)")
-    assert llm.engine.pool.stats.hits > 0  # the batched run re-used the prompts computed alone
+    assert llm.engine.kv_manager.stats.hits > 0  # the batched run re-used the prompts computed alone
 
 
 def test_small_pool_preempts_and_still_finishes_everything(model_path):
@@ -100,13 +100,13 @@ def test_small_pool_preempts_and_still_finishes_everything(model_path):
     prompts = _prompts(prompts_llm, 6, [20, 30])
     ref = _run(prompts_llm, prompts, 32)
     # 6 requests of ~60 tokens need ~24 blocks of 16; give the pool 10
-    per_block = prompts_llm.engine.kv_spec.bytes_per_token * 16
+    per_block = prompts_llm.engine.kv_config.bytes_per_token * 16
     small = LLM(model_path, kv_cache_memory=10 * per_block, enable_prefix_caching=False, threads=1, quantization=QUANT)
     got = _run(small, prompts, 32)
     assert small.engine.scheduler.num_preemptions > 0
     assert all(len(c.token_ids) == 32 for c in got)
     assert_same_greedy(ref, got, "preempted run")
-    assert small.engine.pool.num_used == 0
+    assert small.engine.kv_manager.num_used == 0
 
 
 def test_n2_shares_the_prompt_with_copy_on_write(model_path):
@@ -120,7 +120,7 @@ def test_n2_shares_the_prompt_with_copy_on_write(model_path):
     sampled = llm.generate([prompt], SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=10, ignore_eos=True),
                            use_tqdm=False)[0]
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
-    assert llm.engine.pool.num_used == 0
+    assert llm.engine.kv_manager.num_used == 0
 
 
 def test_shared_system_prompt_hits_the_prefix_cache(model_path):
@@ -128,7 +128,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(model_path):
     system = "You are a careful assistant who answers briefly. " * 12
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate([system + "Question one?"], p, use_tqdm=False)[0]
-    stats = llm.engine.pool.stats
+    stats = llm.engine.kv_manager.stats
     hits_before = stats.hits
     second = llm.generate([system + "Question two?"], p, use_tqdm=False)[0]
     shared = len(first.prompt_token_ids) - 8
@@ -148,8 +148,8 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy(model_path):
 
     llm32 = LLM(model_path, kv_cache_memory=128 << 20, threads=1, quantization=QUANT)
     llm16 = LLM(model_path, kv_cache_memory=128 << 20, threads=1, quantization=QUANT, kv_cache_dtype="float16")
-    assert llm16.engine.kv_spec.dtype == torch.float16
-    assert llm16.engine.kv_spec.num_tokens == 2 * llm32.engine.kv_spec.num_tokens
+    assert llm16.engine.kv_config.dtype == torch.float16
+    assert llm16.engine.kv_config.num_tokens == 2 * llm32.engine.kv_config.num_tokens
     prompts = _prompts(llm32, 3, [40, 250, 600])
     ref, got = _run(llm32, prompts, 24), _run(llm16, prompts, 24)
     assert_same_greedy(ref, got, "float16 KV cache", margin=0.05)

@@ -54,13 +54,13 @@ def test_a_request_without_max_tokens_on_a_tiny_pool_finishes(tiny, caching, cap
     prefill -> preempt (caching off)."""
     with caplog.at_level(logging.WARNING, logger="turbollm"):
         eng = engine(tiny, kv_cache_memory=64 * BYTES_PER_TOKEN, enable_prefix_caching=caching)
-    assert eng.kv_spec.num_tokens == 64
+    assert eng.kv_config.num_tokens == 64
     assert eng.max_model_len == 64
     assert any("capped to 64 tokens" in r.getMessage() for r in caplog.records)
     eng.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=None, ignore_eos=True, seed=1), "r")
     out = run(eng)["r"].outputs[0]
     assert out.finish_reason == "length" and len(PROMPT) + len(out.token_ids) == 64
-    assert eng.pool.num_free == eng.pool.num_blocks
+    assert eng.kv_manager.num_free == eng.kv_manager.num_blocks
 
 
 def test_prompt_over_the_capped_context_is_refused(tiny):
@@ -72,9 +72,9 @@ def test_prompt_over_the_capped_context_is_refused(tiny):
 def test_default_kv_cache_is_sized_to_the_context_times_max_num_seqs(tiny):
     """Before: every model got min(4 GiB, a quarter of RAM), even a tiny one with a 256-token context."""
     eng = engine(tiny, max_num_seqs=3)
-    assert eng.kv_spec.num_tokens == 3 * CONTEXT
+    assert eng.kv_config.num_tokens == 3 * CONTEXT
     assert eng.max_model_len == CONTEXT
-    assert engine(tiny, max_num_seqs=3, max_model_len=100).kv_spec.num_tokens == 3 * 112  # whole blocks
+    assert engine(tiny, max_num_seqs=3, max_model_len=100).kv_config.num_tokens == 3 * 112  # whole blocks
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused_and_others_keep_running(tiny):
@@ -127,7 +127,7 @@ def test_a_failure_in_one_requests_processing_fails_that_request_only(tiny, monk
     assert done["good"].outputs[0].token_ids == want and done["good"].error is None
     bad = done["bad"]
     assert bad.outputs[0].finish_reason == "error" and "boom" in bad.error
-    assert not eng.requests and eng.pool.num_free == eng.pool.num_blocks
+    assert not eng.requests and eng.kv_manager.num_free == eng.kv_manager.num_blocks
 
 
 def test_extreme_sampling_values_neither_fail_nor_disturb_the_batch(tiny):
@@ -176,7 +176,7 @@ def test_an_exception_inside_generate_leaves_no_requests_behind(tiny, monkeypatc
     with pytest.raises(RuntimeError, match="forward pass failed"):
         llm.generate([{"prompt_token_ids": PROMPT}] * 3, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
-    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert llm.engine.kv_manager.num_free == llm.engine.kv_manager.num_blocks
     outs = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 4
 
@@ -266,7 +266,7 @@ def test_a_forked_siblings_failed_sample_fails_its_request_and_nothing_hangs(tin
     done = run(eng)
     assert done["pair"].error and all(c.finish_reason == "error" for c in done["pair"].outputs)
     assert done["other"].error is None and len(done["other"].outputs[0].token_ids) == 4
-    assert eng.pool.num_free == eng.pool.num_blocks
+    assert eng.kv_manager.num_free == eng.kv_manager.num_blocks
 
 
 def test_siblings_never_forked_leave_no_state_in_the_worker(tiny, monkeypatch):
@@ -296,7 +296,7 @@ def test_a_failure_while_forking_ends_the_new_siblings_too(tiny, monkeypatch):
                                                                  seed=4), "r")
     out = run(eng)["r"]
     assert "boom" in out.error and [c.finish_reason for c in out.outputs] == ["error", "error"]
-    assert not eng.scheduler.seqs and eng.pool.num_free == eng.pool.num_blocks
+    assert not eng.scheduler.seqs and eng.kv_manager.num_free == eng.kv_manager.num_blocks
 
 
 def test_preemption_changes_no_output(tiny):

@@ -146,7 +146,7 @@ def test_n_samples_and_logprobs(llm):
 
 
 def test_kv_blocks_return_to_pool(llm):
-    pool = llm.engine.pool
+    pool = llm.engine.kv_manager
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert pool.num_used == 0 and not llm.engine.has_unfinished_requests()
 

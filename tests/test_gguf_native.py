@@ -206,8 +206,8 @@ def test_auto_kv_cache_dtype_follows_the_weights(tiny_gguf):
                                    ("int8-rtn", "auto", torch.float16), (None, "float32", torch.float32),
                                    ("int8-rtn", "float32", torch.float32), ("none", "float16", torch.float16)):
         llm = LLM(str(tiny_gguf), quantization=quantization, kv_cache_dtype=kv, kv_cache_memory=1 << 20, threads=1)
-        assert llm.engine.kv_spec.dtype == want, (quantization, kv)
-        assert all(k.dtype == want for k, _ in llm.engine.executor.worker.runner.kv_caches)
+        assert llm.engine.kv_config.dtype == want, (quantization, kv)
+        assert all(c.k.dtype == want for c in llm.engine.executor.worker.runner.kv_caches)
 
 
 def test_tiny_untied_head_stays_quantized(tmp_path, qpath):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from turbollm.engine.kv_cache import BlockPool
+from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput, SampledToken
 from turbollm.engine.scheduler import Scheduler
 from turbollm.engine.sequence import Sequence
@@ -41,7 +42,7 @@ def test_a_sequence_that_outgrows_the_pool_is_reported_not_spun_on():
     itself and, with its cached blocks taken back, the scheduler returned an empty step forever)."""
     for caching in (True, False):
         pool = BlockPool(3, enable_caching=caching)  # 12 tokens
-        sched = Scheduler(pool, BS, max_num_seqs=4, max_num_batched_tokens=64)
+        sched = Scheduler(KVCacheManager(BS, [pool]), max_num_seqs=4, max_num_batched_tokens=64)
         a = seq(0, list(range(6)))
         sched.add(a)
         failed = []
@@ -60,7 +61,7 @@ def test_a_sequence_that_outgrows_the_pool_is_reported_not_spun_on():
 
 def test_a_waiting_sequence_larger_than_the_pool_is_reported():
     pool = BlockPool(2)
-    sched = Scheduler(pool, BS, 4, 64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), 4, 64)
     big, small = seq(0, list(range(12))), seq(1, [1, 2, 3])
     sched.add(big)
     sched.add(small)
@@ -72,7 +73,7 @@ def test_a_waiting_sequence_larger_than_the_pool_is_reported():
 def test_prefix_cache_queries_never_go_down():
     """A prompt_logprobs request skips the lookup; refusing its admission must not undo a query it never made."""
     pool = BlockPool(4)
-    sched = Scheduler(pool, BS, 4, 64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), 4, 64)
     holder = seq(0, list(range(12)))  # 3 of the 4 blocks
     sched.add(holder)
     run_step(sched)
@@ -94,7 +95,7 @@ def test_prefix_cache_queries_never_go_down():
 def test_pending_forks_count_against_max_num_seqs():
     """n > 1: the siblings that will fork off a prompt take their sequence slots at admission."""
     pool = BlockPool(64)
-    sched = Scheduler(pool, BS, max_num_seqs=3, max_num_batched_tokens=64)
+    sched = Scheduler(KVCacheManager(BS, [pool]), max_num_seqs=3, max_num_batched_tokens=64)
     a = seq(0, [1, 2, 3])
     a.pending_forks = 2  # n = 3
     b = seq(1, [4, 5, 6])

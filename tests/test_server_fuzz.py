@@ -83,4 +83,4 @@ def test_no_server_errors(fuzz_app, api_schema):
                                                            "ignore_eos": True}).call()
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     engine = fuzz_app.state.ctx.engine
-    assert not engine.requests and engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.requests and engine.kv_manager.num_free == engine.kv_manager.num_blocks

@@ -28,13 +28,13 @@ def _ttft(engine, ids: list[int]) -> float:
 
 def run_prefix_cache(engine, system_ids: list[int], questions: list[list[int]]) -> dict:
     """TTFT per request (system prompt + question), with the pool's prefix-cache counters."""
-    stats = engine.pool.stats
+    stats = engine.kv_manager.stats
     before = (stats.queries, stats.hits, stats.evictions)
     ttfts = [_ttft(engine, system_ids + q) for q in questions]
     rest = sorted(ttfts[1:])
     median_rest = rest[len(rest) // 2] if rest else float("nan")
     return {
-        "prefix_caching": engine.pool.enable_caching,
+        "prefix_caching": engine.kv_manager.enable_caching,
         "system_tokens": len(system_ids),
         "requests": len(questions),
         "ttft_s": [round(t, 4) for t in ttfts],

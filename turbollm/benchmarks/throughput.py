@@ -28,7 +28,7 @@ def _greedy(output_len: int):
 
 
 def _prefix_hits(engine) -> int | None:
-    stats = getattr(getattr(engine, "pool", None), "stats", None)
+    stats = getattr(getattr(engine, "kv_manager", None), "stats", None)
     return getattr(stats, "hits", None)
 
 

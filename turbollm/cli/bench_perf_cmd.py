@@ -107,7 +107,7 @@ def run_bench_prefix(ns: argparse.Namespace) -> int:
 def _kv_itemsize(engine) -> int:
     import torch
 
-    dtype = getattr(getattr(engine, "kv_spec", None), "dtype", torch.float32)
+    dtype = getattr(getattr(engine, "kv_config", None), "dtype", torch.float32)
     return torch.empty(0, dtype=dtype).element_size()
 
 

@@ -68,7 +68,7 @@ class EngineArgs:
     # default), float32 (the compute dtype) otherwise
     kv_cache_dtype: str = "auto"
     # True: every step runs the layers as PyTorch modules; False: pure-decode steps run all
-    # layers in one C++ call with the same kernels (models/decode_step.py; same results, less Python)
+    # layers in one C++ call with the same kernels (engine/fused_step.py; same results, less Python)
     enforce_eager: bool = False
     # quantized-matmul numerics (turbollm.kernels.quant): "auto" (None: the default; q16 for small
     # batches, dequantize + sgemm above), "fast" (llama.cpp's q8 levels), or one path forced for every

@@ -1,8 +1,9 @@
-"""Paged KV cache: per-layer block storage and the block pool with prefix caching.
+"""The block pool of one KV-cache group, with prefix caching.
 
-Storage per layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V.
-A sequence's block table lists its blocks in order, so token t lives in slot
-`block_table[t // block_size] * block_size + t % block_size`.
+A sequence's block table (one per group) lists its blocks in order, so token t lives in slot
+`block_table[t // block_size] * block_size + t % block_size` of every layer of the group
+(`attention/kv_storage.py`). A table entry `NULL_BLOCK` is a block the group released because
+no new token can see it any more (a sliding window moved past it); kernels never read it.
 
 The pool owns every block's reference count. With prefix caching on, a block whose
 `block_size` tokens are all computed is indexed by a hash chained over the tokens of every
@@ -21,70 +22,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from turbollm.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype = torch.float32
-
-    @property
-    def bytes_per_token(self) -> int:
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
-
-    @classmethod
-    def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int,
-                    dtype: torch.dtype = torch.float32) -> "KVCacheSpec":
-        probe = cls(1, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        num_blocks = max(1, memory_bytes // (probe.bytes_per_token * block_size))
-        return cls(int(num_blocks), block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-
-
-def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
-                      max_num_seqs: int) -> int:
-    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks): the most a
-    default-sized cache can ever use, so a small model with a short context is not given gigabytes."""
-    per_seq = -(-max_model_len // block_size) * block_size
-    return KVCacheSpec(1, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype).bytes_per_token \
-        * per_seq * max_num_seqs
-
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zero-filled storage whose pages the OS commits on first touch.
-
-    numpy's zeros uses calloc, which maps fresh zero pages for large sizes, whereas
-    torch.zeros writes every byte: 4 GiB of KV cache would cost seconds at start-up.
-    Zeros (not garbage) matter: masked slots are multiplied by zero probabilities.
-    """
-    if dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
-    return torch.zeros(shape, dtype=dtype)
-
-
-def allocate_kv_storage(spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K and V storage for every layer (pages are committed by the OS on first write)."""
-    shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(_lazy_zeros(shape, spec.dtype), _lazy_zeros(shape, spec.dtype)) for _ in range(spec.num_layers)]
+NULL_BLOCK = -1  # a released table entry (out of a sliding window): nothing is stored there
 
 
 def hash_block(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
@@ -153,6 +91,8 @@ class BlockPool:
 
     def touch(self, block: int) -> None:
         """Add a user to `block` (taking it out of the free queue if it was idle)."""
+        if block == NULL_BLOCK:
+            return
         if self.ref_counts[block] == 0:
             del self.free[block]
         self.ref_counts[block] += 1
@@ -160,6 +100,8 @@ class BlockPool:
     def release(self, blocks: list[int]) -> None:
         """Drop one user of each block; idle blocks join the free queue, tail blocks first in line."""
         for b in reversed(blocks):
+            if b == NULL_BLOCK:
+                continue
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0, f"block {b} released twice"
             if self.ref_counts[b] == 0:

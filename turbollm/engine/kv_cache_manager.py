@@ -1,104 +1,201 @@
-"""The KV-cache manager: a sequence's blocks in the pool — growth, the prefix cache, copy-on-write.
+"""The KV-cache manager: a sequence's blocks in each group's pool — growth, release out of a
+sliding window, the prefix cache, copy-on-write.
 
-The scheduler decides who runs; this decides which blocks they hold. A sequence's block table
-covers its computed tokens plus the ones scheduled this step. Full blocks are indexed in the
-prefix cache by a digest chained over every token before them (`kv_cache.hash_block`), so a new
-sequence can start from the longest cached prefix of its tokens (always leaving one token to
-compute). A block shared with another sequence (n > 1 siblings) is copied before a sequence
-writes into it.
+The scheduler decides who runs; this decides which blocks they hold. Each KV-cache group
+(`kv_cache_spec.py`) has its own `BlockPool`, and a sequence one block table per group, all of
+the same length: a table covers the sequence's computed tokens plus the ones scheduled this
+step. A sliding-window group releases the blocks its window has moved past (their table entries
+become `NULL_BLOCK`); a full-attention group keeps every block until the sequence ends.
+
+Full blocks are indexed in each group's prefix cache by a digest chained over every token before
+them (`kv_cache.hash_block`), rooted in the model's salt and keyed per group with the group's
+spec (KV dtype, layout, window), so a new sequence can start from the longest prefix that every
+group still holds (always leaving one token to compute). A block shared with another sequence
+(n > 1 siblings) is copied before a sequence writes into it, in every group.
 """
 
 from __future__ import annotations
 
-from turbollm.engine.kv_cache import BlockPool, hash_block
+import hashlib
+
+from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool, CacheStats, hash_block
+from turbollm.engine.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from turbollm.engine.sequence import Sequence
 
 
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=8).digest()
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
-        self.pool, self.block_size = pool, block_size
+    def __init__(self, block_size: int, pools: list[BlockPool], specs: list[KVCacheSpec | None] | None = None,
+                 salts: list[bytes] | None = None, root: bytes = b""):
+        self.block_size, self.pools = block_size, pools
+        self.specs = specs or [None] * len(pools)  # None: full attention
+        self.keys = [_digest(s) for s in salts] if salts else [b""] * len(pools)
+        self.root = _digest(root) if root else None
+        self.stats = CacheStats()
+        for p in pools:
+            p.stats = self.stats  # evictions from every group land in one set of counters
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig, enable_caching: bool = True) -> "KVCacheManager":
+        pools = [BlockPool(config.num_blocks, enable_caching) for _ in config.groups]
+        return cls(config.block_size, pools, [g.spec for g in config.groups],
+                   [config.salt(i) for i in range(len(config.groups))], config.model_salt)
+
+    # ---------------------------------------------------------------- pool state
+    @property
+    def num_groups(self) -> int:
+        return len(self.pools)
 
     @property
     def enable_caching(self) -> bool:
-        return self.pool.enable_caching
+        return self.pools[0].enable_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.pools)
+
+    @property
+    def num_used(self) -> int:
+        return sum(p.num_used for p in self.pools)
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.num_free for p in self.pools)
+
+    @property
+    def usage(self) -> float:
+        """The fullest group's share of its blocks in use (what limits admission)."""
+        return max(p.usage for p in self.pools)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether every group has `num_blocks` free blocks."""
+        return all(p.num_free >= num_blocks for p in self.pools)
+
+    # ---------------------------------------------------------------- tables
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.pools]
+        return seq.block_tables
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        """New blocks each group needs for `num_new` more tokens (the same in every group)."""
         total = seq.num_computed_tokens + num_new
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return max(0, -(-total // self.block_size) - len(self.tables(seq)[0]))
 
     def grow(self, seq: Sequence, num_new: int) -> None:
-        for _ in range(self.blocks_needed(seq, num_new)):
-            seq.block_table.append(self.pool.allocate())
+        n = self.blocks_needed(seq, num_new)
+        for pool, table in zip(self.pools, self.tables(seq)):
+            table.extend(pool.allocate() for _ in range(n))
+
+    def release_out_of_window(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Release the blocks a sliding-window group can no longer see (before the first position the
+        next new token attends to); returns (group, table position) of each entry now NULL_BLOCK."""
+        out = []
+        for g, (spec, pool, table) in enumerate(zip(self.specs, self.pools, self.tables(seq))):
+            if spec is None:
+                continue
+            first = spec.first_needed_position(seq.num_computed_tokens) // self.block_size
+            for i in range(min(first, len(table))):
+                if table[i] != NULL_BLOCK:
+                    pool.release([table[i]])
+                    table[i] = NULL_BLOCK
+                    out.append((g, i))
+        return out
 
     def shared_write_block(self, seq: Sequence) -> int | None:
-        """Index in the block table of the block `seq` writes next, if another sequence shares it."""
+        """Position in the tables of the block `seq` writes next, if another sequence shares it (forks share
+        the same positions in every group)."""
         idx = seq.num_computed_tokens // self.block_size
-        if idx < len(seq.block_table) and self.pool.ref_counts[seq.block_table[idx]] > 1:
-            return idx
+        for pool, table in zip(self.pools, self.tables(seq)):
+            if idx < len(table) and table[idx] != NULL_BLOCK and pool.ref_counts[table[idx]] > 1:
+                return idx
         return None
 
-    def copy_on_write(self, seq: Sequence, idx: int) -> tuple[int, int]:
-        """Give `seq` its own copy of shared block `idx` before it writes there; (src, dst) to copy."""
-        src = seq.block_table[idx]
-        dst = self.pool.allocate()
-        self.pool.release([src])
-        seq.block_table[idx] = dst
-        return src, dst
+    def copy_on_write(self, seq: Sequence, idx: int) -> list[tuple[int, int, int]]:
+        """Give `seq` its own copy of shared block `idx` in every group; (group, src, dst) to copy."""
+        out = []
+        for g, (pool, table) in enumerate(zip(self.pools, self.tables(seq))):
+            src = table[idx]
+            if src == NULL_BLOCK or pool.ref_counts[src] == 1:
+                continue
+            dst = pool.allocate()
+            pool.release([src])
+            table[idx] = dst
+            out.append((g, src, dst))
+        return out
 
     def share(self, parent: Sequence, child: Sequence) -> None:
-        """`child` takes the parent's blocks (an n > 1 fork): same table, one more reference each."""
-        child.block_table = list(parent.block_table)
+        """`child` takes the parent's blocks (an n > 1 fork): same tables, one more reference each."""
+        child.block_tables = [list(t) for t in self.tables(parent)]
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
-        for b in child.block_table:
-            self.pool.touch(b)
+        for pool, table in zip(self.pools, child.block_tables):
+            for b in table:
+                pool.touch(b)
 
+    def free(self, seq: Sequence) -> None:
+        for pool, table in zip(self.pools, seq.block_tables):
+            pool.release(table)
+        seq.block_tables = []
+        seq.num_cached_blocks = 0
+        seq.num_blocks_sent = 0
+
+    # ---------------------------------------------------------------- prefix cache
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Prefix keys of the sequence's first `num_blocks` full blocks (computed once, kept)."""
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
             tokens = [seq.token_at(t) for t in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else self.root, tokens))
         return hashes
 
     def take_cached_prefix(self, seq: Sequence) -> None:
-        """Point a fresh sequence at the cached blocks of its longest cached prefix (counted in the
-        pool's stats by `count_admitted`, once the sequence is admitted)."""
-        if not self.pool.enable_caching or seq.num_computed_tokens or seq.block_table:
+        """Point a fresh sequence at the cached blocks of its longest prefix that every group holds
+        (counted in the stats by `count_admitted`, once the sequence is admitted)."""
+        if not self.enable_caching or seq.num_computed_tokens or seq.block_tables:
             return
         if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
-        for h in self._hashes(seq, max_blocks):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            self.pool.touch(block)
-            seq.block_table.append(block)
-        seq.num_computed_tokens = seq.num_cached_blocks = len(seq.block_table)
-        seq.num_computed_tokens *= self.block_size
+        found: list[list[int]] = []
+        for pool, key in zip(self.pools, self.keys):
+            blocks = []
+            for h in self._hashes(seq, max_blocks)[:min((len(b) for b in found), default=max_blocks)]:
+                block = pool.lookup(key + h)
+                if block is None:
+                    break
+                blocks.append(block)
+            found.append(blocks)
+        n = min(len(b) for b in found)
+        tables = self.tables(seq)
+        for pool, blocks, table in zip(self.pools, found, tables):
+            for b in blocks[:n]:
+                pool.touch(b)
+                table.append(b)
+        seq.num_cached_blocks = n
+        seq.num_computed_tokens = n * self.block_size
 
     def count_admitted(self, seq: Sequence) -> None:
         """Prefix-cache stats of an admitted sequence (a lookup refused for lack of blocks is not counted)."""
-        if self.pool.enable_caching and seq.params.prompt_logprobs is None:
-            self.pool.stats.queries += seq.num_tokens
-            self.pool.stats.hits += seq.num_computed_tokens
+        if self.enable_caching and seq.params.prompt_logprobs is None:
+            self.stats.queries += seq.num_tokens
+            self.stats.hits += seq.num_computed_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """After a step: index the sequence's newly full blocks in the prefix cache."""
-        if not self.pool.enable_caching:
+        """After a step: index the sequence's newly full blocks in each group's prefix cache."""
+        if not self.enable_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        tables = self.tables(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(tables[0]))
         if full <= seq.num_cached_blocks:
             return
         hashes = self._hashes(seq, full)
-        for i in range(seq.num_cached_blocks, full):
-            self.pool.cache_full_block(seq.block_table[i], hashes[i])
+        for pool, key, table in zip(self.pools, self.keys, tables):
+            for i in range(seq.num_cached_blocks, full):
+                if table[i] != NULL_BLOCK:
+                    pool.cache_full_block(table[i], key + hashes[i])
         seq.num_cached_blocks = full
-
-    def free(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.num_cached_blocks = 0
-        seq.num_blocks_sent = 0

@@ -30,7 +30,8 @@ import torch
 
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
-from turbollm.engine.kv_cache import BlockPool, KVCacheSpec, default_kv_budget
+from turbollm.engine.kv_cache_manager import KVCacheManager
+from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
@@ -68,21 +69,24 @@ class LLMEngine:
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
             budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
                                                    args.max_num_seqs))
-        self.kv_spec = KVCacheSpec.from_budget(self.config, budget, args.block_size, kv_dtype)
-        self.pool = BlockPool(self.kv_spec.num_blocks, enable_caching=args.enable_prefix_caching)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s, prefix caching %s)",
-                    self.kv_spec.num_blocks, args.block_size, self.kv_spec.num_tokens,
-                    self.kv_spec.total_bytes / (1 << 20), str(self.kv_spec.dtype).replace("torch.", ""),
-                    "on" if args.enable_prefix_caching else "off")
-        if model_len > self.kv_spec.num_tokens:
+        # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
+        salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
+                     args.qmatmul)).encode()
+        self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt)
+        self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=args.enable_prefix_caching)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; %s; prefix caching %s)",
+                    self.kv_config.num_blocks, args.block_size, self.kv_config.num_tokens,
+                    self.kv_config.total_bytes / (1 << 20), str(self.kv_config.dtype).replace("torch.", ""),
+                    self.kv_config.describe(), "on" if args.enable_prefix_caching else "off")
+        if model_len > self.kv_config.num_tokens:
             # One sequence must always fit the pool alone, or it would preempt itself forever.
             logger.warning("max_model_len %d is more than the KV cache holds: capped to %d tokens (raise "
-                           "kv_cache_memory for the full context)", model_len, self.kv_spec.num_tokens)
-            model_len = self.kv_spec.num_tokens
+                           "kv_cache_memory for the full context)", model_len, self.kv_config.num_tokens)
+            model_len = self.kv_config.num_tokens
         self.max_model_len = model_len
-        self.scheduler = Scheduler(self.pool, args.block_size, args.max_num_seqs,
+        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    max(args.max_num_batched_tokens, args.block_size), model_len)
-        self.executor = executor_cls(args, self.kv_spec, loaded)
+        self.executor = executor_cls(args, self.kv_config, loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
 
@@ -155,7 +159,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float | int]:
         """Engine counters: requests, KV blocks, prefix cache (tokens), preemptions."""
-        pool, sched = self.pool, self.scheduler
+        pool, sched = self.kv_manager, self.scheduler
         return {
             "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
             "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_blocks_free": pool.num_free,
@@ -174,7 +178,7 @@ class LLMEngine:
         for sid in sched.unschedulable_seq_ids:
             seq = self.scheduler.seqs[sid]
             self.output_processor.fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV cache but "
-                                                       f"the cache holds {self.kv_spec.num_tokens}; raise "
+                                                       f"the cache holds {self.kv_config.num_tokens}; raise "
                                                        f"kv_cache_memory or lower max_model_len")
             touched[seq.request_id] = None
         if sched.is_empty:

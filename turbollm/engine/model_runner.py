@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from turbollm.attention import AttentionBackend, AttentionMetadata
+from turbollm.attention.kv_storage import LayerKVCache
+from turbollm.engine.fused_step import FusedDecodeStep
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.sampler import Sampler, SamplingRow, ranked_logprobs
 from turbollm.engine.scheduler_output import ForkData, NewRequestData, SchedulerOutput
-from turbollm.models import decode_step
 from turbollm.models.common import CausalLM
-from turbollm.models.forward_batch import ForwardBatch
+from turbollm.models.forward_batch import ForwardBatch, LayerHooks
 
 
 @dataclass(kw_only=True)
@@ -41,13 +42,17 @@ def _generator(params, index: int) -> torch.Generator | None:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None):
+    def __init__(self, model: CausalLM, kv_caches: list[LayerKVCache], block_size: int,
+                 backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None,
+                 layer_groups: list[int] | None = None, hooks: LayerHooks | None = None):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
-        self.fused_decode = fused_decode  # pure-decode steps may run their layers in one C++ call
+        self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
+        self.num_groups = max(self.layer_groups) + 1
+        self.hooks = hooks
+        # pure-decode steps may run their layers in one C++ call (None: always the module path)
+        self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks) if fused_decode else None
         self.sampler = Sampler(seed)
         self.states: dict[int, SeqState] = {}
-        decode_step.reset(model.model)  # a step built for another runner holds that runner's K/V
 
     # ------------------------------------------------------------------ state from the diffs
     def update_states(self, sched: SchedulerOutput) -> None:
@@ -91,36 +96,45 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
-        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        ids, pos, qsl, seq_lens = [], [], [0], []
+        groups = range(self.num_groups)
+        slots: list[list[int]] = [[] for _ in groups]
+        tables: list[list[list[int]]] = [[] for _ in groups]
         bs = self.block_size
         for sid, tokens in sched.scheduled_token_ids.items():
             st = self.states[sid]
             c, n = st.num_computed_tokens, len(tokens)
             ids.extend(tokens)
             pos.extend(range(c, c + n))
-            table = st.block_ids[0]
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            for g in groups:
+                table = st.block_ids[g]
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+                tables[g].append(table)
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), qsl, seq_lens, block_tables, bs)
-        return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta,
+        metas = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.int64), qsl, seq_lens, _table_tensor(tables[g]),
+                                   bs) for g in groups]
+        return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), metas[0],
                             self.kv_caches, self.backend, max_position=max(seq_lens) - 1,
-                            fused_decode=self.fused_decode)
+                            layer_attn=[metas[g] for g in self.layer_groups] if self.num_groups > 1 else None,
+                            hooks=self.hooks)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate the K/V of block src into block dst in every layer."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs])
-        dst = torch.tensor([p[1] for p in pairs])
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the batch's new tokens: the layers fused when the step allows it, else the modules."""
+        x = self.model.embed(batch.input_ids)
+        out = self.fused.forward(x, batch) if self.fused is not None else None
+        if out is None:
+            out = self.model.run_layers(x, batch)
+        return self.model.final_norm(*out)
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy-on-write: duplicate the K/V of block src into block dst in every layer of the group."""
+        for g in {c[0] for c in copies}:
+            src = torch.tensor([c[1] for c in copies if c[0] == g])
+            dst = torch.tensor([c[2] for c in copies if c[0] == g])
+            for layer, cache in enumerate(self.kv_caches):
+                if self.layer_groups[layer] == g:
+                    cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -130,7 +144,7 @@ class ModelRunner:
             return out
         self.copy_blocks(sched.copy_blocks)
         batch = self.prepare(sched)
-        hidden = self.model(batch)
+        hidden = self.run_model(batch)
         qsl = batch.attn.query_start_loc
         sample_rows, rows, prompt_rows = [], [], {}
         for i, (sid, tokens) in enumerate(sched.scheduled_token_ids.items()):
@@ -167,3 +181,11 @@ class ModelRunner:
     def _prompt_logprobs(st: SeqState, first: int, logits: torch.Tensor) -> PromptLogprobs:
         tokens = st.token_ids[first:first + logits.shape[0]]
         return PromptLogprobs(first, tokens, *ranked_logprobs(logits, tokens, st.params.prompt_logprobs))
+
+
+def _table_tensor(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables [B, max blocks], padded with block 0; a released entry (NULL_BLOCK, -1) reads as 0 too
+    (out of the window: the kernels never read it, the reference masks it)."""
+    width = max(len(t) for t in tables)
+    out = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    return out.clamp_(min=0)

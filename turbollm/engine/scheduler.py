@@ -8,7 +8,9 @@ computed count starts there). A prompt longer than the remaining budget is prefi
 chunks over several steps. When a running sequence needs a block and none is free, the
 newest running sequence is preempted: its blocks return to the pool and it goes back to
 the front of the queue, to be recomputed later. A shared block that a sequence is about
-to write into is copied first (copy-on-write).
+to write into is copied first (copy-on-write). Blocks live in one pool per KV-cache group
+(`KVCacheManager`): a sequence needs its new blocks in every group, and a sliding-window
+group's blocks that no new token can see are released before each step.
 
 Every step makes progress or says why not: a sequence that cannot fit in the whole pool even
 with nothing else running (which the engine's cap of `max_model_len` to the pool rules out, so
@@ -30,7 +32,6 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from turbollm.engine.kv_cache import BlockPool
 from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
@@ -54,10 +55,9 @@ class SchedulerUpdate:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None):
-        self.pool, self.block_size = pool, block_size
-        self.kv = KVCacheManager(pool, block_size)
+        self.kv, self.block_size = kv, kv.block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -104,7 +104,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
-        chosen: list[tuple[Sequence, int, list[int]]] = []  # (sequence, new tokens, table slots replaced)
+        chosen: list[tuple[Sequence, int, list[tuple[int, int]]]] = []  # (sequence, new tokens, (group, table
+        # position) of the entries replaced: copied on write, or released out of a sliding window)
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
@@ -112,28 +113,30 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            replaced = self.kv.release_out_of_window(seq)
             shared = self.kv.shared_write_block(seq)
             need = self.kv.blocks_needed(seq, n) + (shared is not None)
-            while need > self.pool.num_free and self.running[-1] is not seq:
+            while not self.kv.can_allocate(need) and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
-            if need > self.pool.num_free:
+            if not self.kv.can_allocate(need):
                 if self.running[0] is seq:  # alone, and still too big: it can never run
                     self._drop(seq, out)
                 else:
                     self._preempt(seq, out)
                 continue
-            replaced = []
             if shared is not None:
-                out.copy_blocks.append(self.kv.copy_on_write(seq, shared))
-                replaced.append(shared)
+                for group, src, dst in self.kv.copy_on_write(seq, shared):
+                    out.copy_blocks.append((group, src, dst))
+                    replaced.append((group, shared))
             self.kv.grow(seq, n)
             chosen.append((seq, n, replaced))
             budget -= n
         while self.waiting and budget > 0 and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             self.kv.take_cached_prefix(seq)
+            self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self.kv.blocks_needed(seq, n) > self.pool.num_free:
+            if not self.kv.can_allocate(self.kv.blocks_needed(seq, n)):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
                 if self.running:  # blocks come back as the running sequences finish
@@ -154,20 +157,25 @@ class Scheduler:
             out.finished_seq_ids = []
         return out
 
-    def _describe(self, seq: Sequence, n: int, replaced: list[int], out: SchedulerOutput) -> None:
+    def _describe(self, seq: Sequence, n: int, replaced: list[tuple[int, int]], out: SchedulerOutput) -> None:
         """Put what the workers need of `seq` for this step into `out` (only what they do not know)."""
-        c = seq.num_computed_tokens
+        c, tables = seq.num_computed_tokens, seq.block_tables
         if not seq.known_to_workers:
             out.new_reqs.append(NewRequestData(seq.seq_id, seq.index, seq.all_token_ids, seq.num_prompt_tokens,
-                                               seq.params, sorted(seq.end_token_ids), (list(seq.block_table),), c))
+                                               seq.params, sorted(seq.end_token_ids),
+                                               tuple(list(t) for t in tables), c))
             seq.known_to_workers = True
         else:
             sent = seq.num_blocks_sent
+            changed = tuple([] for _ in tables)
+            for group, i in replaced:
+                if i < sent:
+                    changed[group].append((i, tables[group][i]))
             out.cached_reqs.append(CachedRequestData(
-                seq.seq_id, (seq.block_table[sent:],), c, seq.seq_id in self._resumed,
-                ([(i, seq.block_table[i]) for i in replaced if i < sent],)))
+                seq.seq_id, tuple(t[sent:] for t in tables), c, seq.seq_id in self._resumed,
+                changed if replaced else ()))
             self._resumed.discard(seq.seq_id)
-        seq.num_blocks_sent = len(seq.block_table)
+        seq.num_blocks_sent = len(tables[0])
         out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
         if c + n == seq.num_tokens and seq.pending_forks:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
@@ -239,7 +247,7 @@ class Scheduler:
         child = Sequence(fork.seq_id, parent.request_id, fork.index, list(parent.prompt_token_ids), parent.params,
                          num_computed_tokens=parent.num_computed_tokens, end_token_ids=parent.end_token_ids)
         self.kv.share(parent, child)
-        child.known_to_workers, child.num_blocks_sent = True, len(child.block_table)
+        child.known_to_workers, child.num_blocks_sent = True, len(child.block_tables[0])
         self.add_running(child)
         parent.pending_forks = 0
         return child

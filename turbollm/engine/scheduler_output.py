@@ -6,7 +6,8 @@ its tokens included); afterwards only what changed is sent (`CachedRequestData`:
 replaced, whether it resumes after a preemption). Every step lists the token ids each scheduled
 sequence computes (`scheduled_token_ids`: the next chunk of a prompt, the last sampled token, and
 later a speculative proposer's draft tokens after it), in batch order. Block ids are per KV-cache
-group (a tuple with one list per group; one group today). Sequences are named by `seq_id`, an int
+group (a tuple with one list per group, `engine/kv_cache_spec.py`); an entry `NULL_BLOCK` (-1) is
+a block a sliding-window group released, never read. Sequences are named by `seq_id`, an int
 unique within the engine: a request with n > 1 samples has n of them.
 """
 
@@ -41,7 +42,8 @@ class CachedRequestData:
     new_block_ids: BlockIds  # appended to its tables (the whole tables when `resumed_from_preemption`)
     num_computed_tokens: int
     resumed_from_preemption: bool = False
-    # copy-on-write: (position in the table, new block id) per group, applied before the step
+    # per group: (position in the table, new block id), applied before the step: a copy-on-write
+    # copy, or NULL_BLOCK for a block released out of a sliding window
     replaced_block_ids: tuple[list[tuple[int, int]], ...] = ()
 
 
@@ -61,7 +63,8 @@ class SchedulerOutput:
     scheduled_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # parent seq_id -> the siblings sampled from its row when this step completes its prompt
     forks: dict[int, list[ForkData]] = field(default_factory=dict)
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward pass
+    # copy-on-write: (group, src, dst), done in that group's layers before the forward pass
+    copy_blocks: list[tuple[int, int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # since the last step: workers drop them
     preempted_seq_ids: list[int] = field(default_factory=list)  # this step: their blocks are gone
     # sequences that cannot fit in the whole KV pool: taken out, to be ended with an error

@@ -34,7 +34,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV-cache group (KVCacheManager)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -48,7 +48,7 @@ class Sequence:
     pending_forks: int = 0  # n > 1: siblings to fork off once the prompt is computed
     end_token_ids: frozenset[int] = frozenset()  # ids that end it: stop_token_ids, plus EOS unless ignore_eos
     # what the workers know of it (the scheduler sends only the difference): whether they have it,
-    # and how many of its blocks they hold
+    # and how many entries of its block tables they hold
     known_to_workers: bool = False
     num_blocks_sent: int = 0
 

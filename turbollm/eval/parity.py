@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from turbollm.attention import AttentionMetadata, get_attention_backend
+from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.loader import LoadedModel
 from turbollm.models.forward_batch import ForwardBatch
 
@@ -65,7 +66,8 @@ def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size
     blocks_per = [-(-len(p) // block_size) for p in prompts]
     total_blocks = sum(blocks_per)
     shape = (total_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_layers)]
+    caches = [LayerKVCache.of(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+              for _ in range(cfg.num_layers)]
     tables, slots, qsl, first = [], [], [0], 0
     for p, nb in zip(prompts, blocks_per):
         table = list(range(first, first + nb))

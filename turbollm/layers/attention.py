@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from turbollm.attention import AttentionMetadata, AttentionBackend
+from turbollm.attention.kv_storage import LayerKVCache
 
 
 class Attention(nn.Module):
@@ -15,9 +16,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.window, self.softcap = scale, window, softcap
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; kv_cache: this layer's (K, V) storage."""
-        k_cache, v_cache = kv_cache
+        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; kv_cache: this layer's paged storage."""
+        k_cache, v_cache = kv_cache.k, kv_cache.v
         backend.write_kv(k, v, k_cache, v_cache, meta)
         return backend.forward(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)

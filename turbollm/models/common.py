@@ -25,7 +25,6 @@ from turbollm.layers.embedding import LMHead, VocabEmbedding
 from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
-from turbollm.models import decode_step
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.models.layer_runner import Branch, CalibrationRunner, get_adapter
 from turbollm.quantization import LinearMethod, QuantizedTensor
@@ -64,19 +63,26 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k, batch.max_position)
-        out = self.attn(q, k, v, batch.kv_caches[self.layer_idx], batch.attn, batch.backend)
-        return self.o_proj(out)
+        out = self.attn(q, k, v, batch.kv_caches[self.layer_idx], batch.attn_for(self.layer_idx), batch.backend)
+        out = self.o_proj(out)
+        if batch.hooks is not None and batch.hooks.attn_out is not None:
+            batch.hooks.attn_out(self.layer_idx, out)
+        return out
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, method=method)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=method)
         self.act = GatedActivation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        if batch is not None and batch.hooks is not None and batch.hooks.mlp_out is not None:
+            batch.hooks.mlp_out(self.layer_idx, out)
+        return out
 
 
 # checkpoint name fragment → (our parameter fragment, shard id)
@@ -96,14 +102,32 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.weights_version = 0  # counts load_weights calls (what a built fused step checks)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, hidden] of every new token."""
-        return self.model(batch)
+        """Hidden states [T, hidden] of every new token (after the final norm)."""
+        return self.final_norm(*self.run_layers(self.embed(batch.input_ids), batch))
+
+    # The three pieces of `forward`, for a runner that runs the layers its own way (the fused step,
+    # a pipeline stage's slice of them):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Layer 0's input [T, hidden]."""
+        return self.model.embed(input_ids)
+
+    def run_layers(self, x: torch.Tensor, batch: ForwardBatch, start: int = 0, end: int | None = None,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layers start .. end - 1 through the modules: (block output, residual stream); the
+        stream excludes the output until the next norm adds it (None before layer 0)."""
+        for layer in self.model.layers[start:end]:
+            x, residual = layer(x, residual, batch)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.cap_logits(self.lm_head(hidden))
@@ -188,7 +212,7 @@ class CausalLM(nn.Module):
                     raise WeightLoadError(f"{source}: layer {mname!r}: {e}") from None
         self._compress_vocab_tables()
         self.tie_weights()
-        decode_step.reset(self.model)  # a fused decode step built before holds the old weights
+        self.weights_version += 1  # a runner's fused step built before holds the old weights
 
     def _compress_vocab_tables(self) -> None:
         """Store dense vocabulary tables in the linear method's `vocab_table_type`, if it names one."""

@@ -15,7 +15,6 @@ from torch import nn
 from turbollm.config import ModelConfig
 from turbollm.layers.norm import RMSNorm
 from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
-from turbollm.models.decode_step import run_layers
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod
 
@@ -27,12 +26,12 @@ def _norm(cfg: ModelConfig) -> RMSNorm:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    fused_decode_kind = "sandwich"  # models/decode_step.py runs this block in C++ (same kernels)
+    fused_decode_kind = "sandwich"  # the runner's fused step (engine/fused_step.py) runs this block in C++
 
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
         super().__init__()
         self.self_attn = SelfAttention(cfg, idx, method, qk_norm_offset=GEMMA_NORM_OFFSET)
-        self.mlp = GatedMLP(cfg, method)
+        self.mlp = GatedMLP(cfg, method, idx)
         self.input_layernorm = _norm(cfg)
         self.post_attention_layernorm = _norm(cfg)
         self.pre_feedforward_layernorm = _norm(cfg)
@@ -47,7 +46,7 @@ class Gemma3DecoderLayer(nn.Module):
         else:
             h = self.input_layernorm(x, residual)
         h = self.pre_feedforward_layernorm(self.post_attention_layernorm(self.self_attn(h, batch)), residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm(self.mlp(h, batch)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -58,11 +57,9 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, method) for i in range(cfg.num_layers))
         self.norm = _norm(cfg)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        x, residual = run_layers(self, x, batch)
-        return self.norm(x, residual)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from turbollm.attention import AttentionMetadata, get_attention_backend
+from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.errors import UnsupportedArchitectureError
 from turbollm.layers.linear import LinearBase
 from turbollm.layers.norm import RMSNorm
@@ -103,19 +104,14 @@ def _gemma3_branches(layer: nn.Module) -> list[Branch]:
             _mlp_branch(layer, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
 
 
-def _plain_embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model.model.embed_tokens(ids)
-
-
-def _gemma3_embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    x = model.model.embed_tokens(ids)
-    return x * torch.tensor(model.model.embed_scale, dtype=x.dtype)
+def _model_embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model.embed(ids)  # CausalLM.embed: the architecture's own (Gemma 3 scales it)
 
 
 ARCH_ADAPTERS: dict[str, ArchAdapter] = {
-    "llama": ArchAdapter(_plain_embed, _llama_branches),
-    "qwen2": ArchAdapter(_plain_embed, _llama_branches),
-    "gemma3": ArchAdapter(_gemma3_embed, _gemma3_branches),
+    "llama": ArchAdapter(_model_embed, _llama_branches),
+    "qwen2": ArchAdapter(_model_embed, _llama_branches),
+    "gemma3": ArchAdapter(_model_embed, _gemma3_branches),
 }
 
 
@@ -178,7 +174,7 @@ class CalibrationRunner:
         per = max(1, tokens_per_batch // seq_len)
         blocks_per_seq = -(-seq_len // block_size)
         shape = (per * blocks_per_seq, block_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = (torch.zeros(shape), torch.zeros(shape))
+        cache = LayerKVCache.of(torch.zeros(shape), torch.zeros(shape))
         caches = [cache] * cfg.num_layers  # one scratch cache: layers and batches run one at a time
         backend = get_attention_backend()
         self.batches: list[tuple[slice, ForwardBatch]] = []

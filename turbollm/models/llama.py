@@ -14,18 +14,17 @@ from torch import nn
 from turbollm.config import ModelConfig
 from turbollm.layers.norm import RMSNorm
 from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
-from turbollm.models.decode_step import run_layers
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod
 
 
 class LlamaDecoderLayer(nn.Module):
-    fused_decode_kind = "pre_norm"  # models/decode_step.py runs this block in C++ (same kernels)
+    fused_decode_kind = "pre_norm"  # the runner's fused step (engine/fused_step.py) runs this block in C++
 
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
         super().__init__()
         self.self_attn = SelfAttention(cfg, idx, method)
-        self.mlp = GatedMLP(cfg, method)
+        self.mlp = GatedMLP(cfg, method, idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -37,7 +36,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h = self.input_layernorm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, batch), residual)
-        return self.mlp(h), residual
+        return self.mlp(h, batch), residual
 
 
 class LlamaModel(nn.Module):
@@ -47,9 +46,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, method) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = run_layers(self, self.embed_tokens(batch.input_ids), batch)
-        return self.norm(x, residual)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
 
 class LlamaForCausalLM(CausalLM):

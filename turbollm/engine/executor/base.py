@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.kv_cache import KVCacheSpec
+from turbollm.engine.kv_cache_spec import KVCacheConfig
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 
@@ -23,8 +23,8 @@ class Executor(ABC):
     step on them, stops them. `loaded` is a model already loaded in this process, for executors
     whose worker runs here."""
 
-    def __init__(self, args: EngineArgs, kv_spec: KVCacheSpec, loaded=None):
-        self.args, self.kv_spec = args, kv_spec
+    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None):
+        self.args, self.kv_config = args, kv_config
         self.footprint = None  # the workers' ModelFootprint, set once they have loaded the model
 
     @abstractmethod

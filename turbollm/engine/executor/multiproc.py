@@ -27,13 +27,13 @@ logger = logging.getLogger("turbollm")
 POLL_S = 1.0
 
 
-def _worker_main(conn, args, kv_spec) -> None:
+def _worker_main(conn, args, kv_config) -> None:
     """The worker process: build the worker, then run steps until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from turbollm.engine.worker import Worker
 
-        worker = Worker(args, kv_spec)
+        worker = Worker(args, kv_config)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", 0, traceback.format_exc()))
         return
@@ -67,11 +67,11 @@ def _stop(proc, conn) -> None:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, args, kv_spec, loaded=None):
-        super().__init__(args, kv_spec, loaded)
+    def __init__(self, args, kv_config, loaded=None):
+        super().__init__(args, kv_config, loaded)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child, args, kv_spec), name="turbollm-worker-0",
+        self._proc = ctx.Process(target=_worker_main, args=(child, args, kv_config), name="turbollm-worker-0",
                                  daemon=True)
         self._proc.start()
         child.close()

@@ -9,9 +9,9 @@ from turbollm.engine.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, args, kv_spec, loaded=None):
-        super().__init__(args, kv_spec, loaded)
-        self.worker = Worker(args, kv_spec, loaded)
+    def __init__(self, args, kv_config, loaded=None):
+        super().__init__(args, kv_config, loaded)
+        self.worker = Worker(args, kv_config, loaded)
         self.footprint = self.worker.footprint()
 
     @property

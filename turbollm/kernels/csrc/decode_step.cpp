@@ -5,8 +5,9 @@
 // path spends ~150 us per layer (smollm2-135m) in module calls, argument parsing and dispatch.
 // This object holds, per layer, the tensors and constants those calls would pass and runs the
 // same kernels (ops.h) on the same tensors in the same order, so its result is bit-identical to
-// the module path (tests/test_decode_step.py); only the interpreter between them is gone.
-// turbollm/models/decode_step.py builds it from a loaded model and decides which steps take it.
+// the module path (tests/test_fused_step.py); only the interpreter between them is gone.
+// turbollm/engine/fused_step.py (the model runner's) builds it from a loaded model and its KV
+// storage, and decides which steps take it.
 #include "ops.h"
 
 namespace py = pybind11;
@@ -148,21 +149,42 @@ class DecodeStep {
     layers_.push_back(std::move(L));
   }
 
-  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
-    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "decode step: one K and one V cache per layer");
+  // Each layer's K and V storage and its KV-cache group (which block table and slot mapping of a
+  // step it reads).
+  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v, std::vector<int64_t> groups) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size() && groups.size() == layers_.size(),
+                "decode step: one K cache, one V cache and one group per layer");
     k_ = std::move(k);
     v_ = std::move(v);
+    groups_ = std::move(groups);
   }
 
-  // x [B, hidden]: the embedded new tokens (one per sequence). Returns (block output, residual
-  // stream) after the last layer, as the module path leaves them for the final norm.
-  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor positions, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, torch::Tensor slot_mapping, int64_t levels) {
+  // Hooks, called with (layer index, tensor) and allowed to change the tensor in place: after each
+  // attention output projection and each MLP down projection, before any norm (where a tensor-
+  // parallel all-reduce goes). None: no call. The module path calls the same hooks at the same points.
+  void set_hooks(py::object attn_out, py::object mlp_out) {
+    attn_out_ = std::move(attn_out);
+    mlp_out_ = std::move(mlp_out);
+  }
+
+  // Layers [start, end) of a decode step. x [B, hidden]: layer start's input (the embedded new
+  // tokens when start is 0); residual: the residual stream coming in (None before layer 0).
+  // block_tables and slot_mappings: one per KV-cache group. Returns (block output, residual stream)
+  // after layer end - 1, as the module path leaves them for the next layer or the final norm.
+  std::vector<torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual_in, torch::Tensor positions,
+                                     std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
+                                     std::vector<torch::Tensor> slot_mappings, int64_t levels, int64_t start,
+                                     int64_t end) {
     TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size(), "decode step: no layers or no KV caches");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode step: x must be float32 [B, hidden]");
+    TORCH_CHECK(0 <= start && start < end && end <= (int64_t)layers_.size(), "decode step: bad layer range");
+    TORCH_CHECK(residual_in.has_value() == (start > 0), "decode step: a residual stream comes in after layer 0 only");
+    for (int64_t g : groups_)
+      TORCH_CHECK(g >= 0 && g < (int64_t)block_tables.size() && g < (int64_t)slot_mappings.size(),
+                  "decode step: a layer's KV group has no block table or slot mapping");
     const int64_t B = x.size(0);
-    torch::Tensor residual;
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    torch::Tensor residual = residual_in ? *residual_in : torch::Tensor();
+    for (int64_t i = start; i < end; ++i) {
       const Layer& L = layers_[i];
       torch::Tensor h;
       if (i == 0) {
@@ -182,24 +204,35 @@ class DecodeStep {
         k = rms_norm(k, *L.k_norm, L.eps, c10::nullopt);
       }
       rope_(q, k, positions, L.cos, L.sin);
-      paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mapping);
-      torch::Tensor a = paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables, seq_lens, L.scale,
+      const int64_t g = groups_[i];
+      paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mappings[g]);
+      torch::Tensor a = paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens, L.scale,
                                                L.window, L.softcap).reshape({B, -1});
       torch::Tensor o = L.o(a, levels);
+      call_hook(attn_out_, i, o);
       if (L.pre_ff_norm) {
         h = rms_norm(rms_norm(o, L.post_attn_norm, L.eps, c10::nullopt), *L.pre_ff_norm, L.eps, residual);
       } else {
         h = rms_norm(o, L.post_attn_norm, L.eps, residual);
       }
       torch::Tensor m = L.down(gated_act(L.gate_up(h, levels), L.act), levels);
+      call_hook(mlp_out_, i, m);
       x = L.post_ff_norm ? rms_norm(m, *L.post_ff_norm, L.eps, c10::nullopt) : m;
     }
     return {x, residual};
   }
 
  private:
+  static void call_hook(const py::object& hook, int64_t layer, const torch::Tensor& t) {
+    if (!hook || hook.is_none()) return;
+    py::gil_scoped_acquire gil;
+    hook(layer, t);
+  }
+
   std::vector<Layer> layers_;
+  py::object attn_out_, mlp_out_;
   std::vector<torch::Tensor> k_, v_;
+  std::vector<int64_t> groups_;
 };
 
 }  // namespace
@@ -208,7 +241,8 @@ void bind_decode_step(py::module_& m) {
   py::class_<DecodeStep>(m, "DecodeStep", "every decoder layer of a decode step in one call (decode_step.cpp)")
       .def(py::init<>())
       .def("add_layer", &DecodeStep::add_layer, "append a layer described by a dict of tensors and constants")
-      .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage of every layer")
-      .def("forward", &DecodeStep::forward, "run every layer; returns (block output, residual stream)",
+      .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage and the KV group of every layer")
+      .def("set_hooks", &DecodeStep::set_hooks, "callables (layer, tensor) after attention and MLP outputs, or None")
+      .def("forward", &DecodeStep::forward, "run layers [start, end); returns (block output, residual stream)",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -1,4 +1,4 @@
-"""The fused decode step (models/decode_step.py, kernels/csrc/decode_step.cpp) against the module path.
+"""The fused decode step (engine/fused_step.py, kernels/csrc/decode_step.cpp) against the module path.
 
 The step runs the module path's kernels on the same tensors in the same order, so it must give
 the same bits: greedy tokens and every logprob equal, at batch 1 and batched, for every storage
@@ -30,7 +30,7 @@ def _decode(model: str, prompts, *, eager: bool, max_tokens: int = 8, **kw):
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=4)
     outs = llm.generate(prompts, p, use_tqdm=False)
     alone = llm.generate(prompts[:1], p, use_tqdm=False)  # batch 1 decode as well
-    state = llm.engine.executor.worker.runner.model.model.__dict__.get("_decode_step_state")
+    state = llm.engine.executor.worker.runner.fused
     result = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
               for o in outs + alone]
     return result, (state.steps if state is not None else 0), state
@@ -73,7 +73,7 @@ def test_grown_rope_tables_rebuild_the_step(tmp_path_factory):
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], p, use_tqdm=False)
     decoder = llm.engine.executor.worker.runner.model.model
-    state = decoder._decode_step_state
+    state = llm.engine.executor.worker.runner.fused
     old = state.step
     for layer in decoder.layers:
         layer.self_attn.rotary._grow(2 * layer.self_attn.rotary._cache_len)
@@ -150,3 +150,59 @@ def test_qmatmul_is_per_engine(tiny_gguf):
     assert again == exact
     with pytest.raises(InvalidRequestError, match="qmatmul"):
         LLM(tiny_gguf, qmatmul="int2")
+
+
+def test_hooks_and_layer_ranges_alike_in_both_paths(tmp_path_factory):
+    """The runner's hook points (after each attention and MLP output) are called at the same places by
+    the modules and the fused step, and a step run as two layer ranges (a pipeline boundary) equals
+    one run: same tokens and logprobs; the hooks do change them."""
+    from turbollm.models.forward_batch import LayerHooks
+
+    folder = build_tiny("llama", tmp_path_factory.mktemp("step-hooks"))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [40, 41, 42]}]
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run(eager: bool, hooked: bool, split: bool = False):
+        llm = LLM(str(folder), enforce_eager=eager, kv_cache_memory=1 << 22, threads=2)
+        runner = llm.engine.executor.worker.runner
+        calls = []
+        if hooked:
+            def attn_out(layer, t):
+                calls.append(("attn", layer))
+                t.mul_(0.5)
+
+            def mlp_out(layer, t):
+                calls.append(("mlp", layer))
+                t.add_(0.01 * (layer + 1))
+
+            runner.hooks = LayerHooks(attn_out, mlp_out)
+            if runner.fused is not None:
+                runner.fused.hooks = runner.hooks
+                llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # built with these
+                runner.fused.hooks = runner.hooks = LayerHooks(attn_out, mlp_out)  # a change after the build
+                calls.clear()
+        if split:
+            model = runner.model
+            n = len(model.model.layers)
+
+            def run_model(batch):
+                x, res = model.embed(batch.input_ids), None
+                for start, end in ((0, n // 2), (n // 2, n)):
+                    out = runner.fused.forward(x, batch, start, end, res)
+                    x, res = out if out is not None else model.run_layers(x, batch, start, end, res)
+                return model.final_norm(x, res)
+
+            runner.run_model = run_model
+        before = runner.fused.steps if runner.fused is not None else 0
+        outs = llm.generate(prompts, p, use_tqdm=False)
+        fused_steps = runner.fused.steps - before if runner.fused is not None else 0
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs], calls, fused_steps
+
+    eager, eager_calls, _ = run(True, True)
+    fused, fused_calls, steps = run(False, True)
+    split, _, split_steps = run(False, True, split=True)
+    plain, _, _ = run(False, False)
+    assert steps > 0 and split_steps == 2 * steps
+    assert fused == eager == split and plain != fused
+    assert eager_calls == fused_calls and ("attn", 1) in fused_calls and ("mlp", 0) in fused_calls
