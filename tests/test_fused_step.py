@@ -206,3 +206,40 @@ def test_hooks_and_layer_ranges_alike_in_both_paths(tmp_path_factory):
     assert steps > 0 and split_steps == 2 * steps
     assert fused == eager == split and plain != fused
     assert eager_calls == fused_calls and ("attn", 1) in fused_calls and ("mlp", 0) in fused_calls
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_multi_token_steps_run_fused(tmp_path_factory, quantization):
+    """Steps where sequences bring several new tokens (short prompts together, chunks of a prompt over
+    its cached part: the shape of speculative verification) take the fused step too, with the tiled
+    attention kernel, and still equal the module path bit for bit."""
+    folder = build_tiny("qwen2", tmp_path_factory.mktemp("step-multi"))
+    g = torch.Generator().manual_seed(8)
+    prompts = [{"prompt_token_ids": torch.randint(4, 384, (n,), generator=g).tolist()} for n in (3, 4, 23)]
+
+    def run(eager):
+        llm = LLM(str(folder), enforce_eager=eager, kv_cache_memory=1 << 22, threads=2, max_num_batched_tokens=8,
+                  block_size=8, quantization=quantization)
+        runner = llm.engine.executor.worker.runner
+        multi = []
+        real = runner.run_model
+
+        def watch(batch):
+            if not batch.attn.is_pure_decode:
+                before = runner.fused.steps if runner.fused is not None else 0
+                out = real(batch)
+                multi.append((batch.input_ids.numel(), (runner.fused.steps if runner.fused else 0) - before))
+                return out
+            return real(batch)
+
+        runner.run_model = watch
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                            use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs], multi
+
+    eager, _ = run(True)
+    fused, multi = run(False)
+    assert fused == eager
+    # 3 + 4 + 1 new tokens, then the long prompt's chunks beside two decodes: at most 8 rows, fused
+    assert multi and all(n <= 8 and steps == 1 for n, steps in multi), multi

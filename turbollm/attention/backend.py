@@ -120,13 +120,11 @@ def decode_groups(meta: AttentionMetadata) -> list[list[int]]:
     return [g for g in classes.values() if len(g) > 1]
 
 
-def _decode_index(meta: AttentionMetadata, seqs: list[int], with_tables: bool = False) -> tuple[torch.Tensor, ...]:
-    """For decoding sequences `seqs`: their indices, their query rows in the batch, their lengths
-    (and, `with_tables`, their block tables)."""
+def _decode_index(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
+    """For decoding sequences `seqs`: their indices, their query rows in the batch, their lengths."""
     qsl = meta.query_start_loc
     idx = torch.tensor(seqs)
-    out = (idx, torch.tensor([qsl[i] for i in seqs]), torch.tensor([meta.seq_lens[i] for i in seqs]))
-    return out + (meta.block_tables[idx],) if with_tables else out
+    return idx, torch.tensor([qsl[i] for i in seqs]), torch.tensor([meta.seq_lens[i] for i in seqs])
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -153,22 +151,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta, scale, window, softcap):
         qsl = meta.query_start_loc
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        done: set[int] = set()
-        decode = meta.derived("decode_seqs", lambda: [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1])
-        if self.kernels is not None and decode and q.dtype == torch.float32:
-            if len(decode) == meta.num_seqs:  # pure decode: row i of q is sequence i (the kernel reads strided q)
-                lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
+        if self.kernels is not None and q.dtype == torch.float32:
+            lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
+            if meta.is_pure_decode:  # row i of q is sequence i (the kernel reads strided q)
                 res = self.kernels.paged_decode_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables,
                                                           lens, scale, window or -1, softcap or 0.0)
-                return res.reshape(len(decode), -1)
-            idx, rows, lens, tables = meta.derived(("decode_index", tuple(decode)),
-                                                   lambda: _decode_index(meta, decode, with_tables=True))
-            res = self.kernels.paged_decode_attention(q[rows], k_cache, v_cache, tables,
-                                                      lens, scale, window or -1, softcap or 0.0)
-            out[rows] = res.reshape(len(decode), -1)
-            done.update(decode)
-        for group in ([] if done else decode_groups(meta)):
+            else:  # prefill chunks, verification, mixes: the tiled kernel, one call for the whole step
+                starts = meta.derived("query_start_loc", lambda: torch.tensor(qsl))
+                res = self.kernels.paged_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables, starts,
+                                                   lens, scale, window or -1, softcap or 0.0)
+            return res.reshape(q.shape[0], -1)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        done: set[int] = set()
+        for group in decode_groups(meta):
             idx, rows, lens = _decode_index(meta, group)
             out[rows] = attend_decode_batch(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, scale, window,
                                             softcap)
@@ -186,7 +181,9 @@ class TorchAttentionBackend(AttentionBackend):
 
 @register_backend("cpu")
 class CPUKernelAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode attention in our C++ kernel (reads blocks in place, no gather).
+    """The torch backend with attention in our C++ kernels, reading the blocks in place (no gather):
+    `paged_decode_attention` for steps where every sequence adds one token, `paged_attention` (tiled
+    over keys with an online softmax, any number of new tokens per sequence) for every other step.
 
     Falls back to the pure-PyTorch path when the kernel cannot be compiled.
     """

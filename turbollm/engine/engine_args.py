@@ -67,8 +67,9 @@ class EngineArgs:
     # fp16 when stored); "auto": float16 for a GGUF model in its own block types (llama.cpp's
     # default), float32 (the compute dtype) otherwise
     kv_cache_dtype: str = "auto"
-    # True: every step runs the layers as PyTorch modules; False: pure-decode steps run all
-    # layers in one C++ call with the same kernels (engine/fused_step.py; same results, less Python)
+    # True: every step runs the layers as PyTorch modules; False: decode steps and steps of a few
+    # tokens run all layers in one C++ call with the same kernels (engine/fused_step.py; same
+    # results, less Python)
     enforce_eager: bool = False
     # quantized-matmul numerics (turbollm.kernels.quant): "auto" (None: the default; q16 for small
     # batches, dequantize + sgemm above), "fast" (llama.cpp's q8 levels), or one path forced for every

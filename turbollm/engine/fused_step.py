@@ -1,5 +1,5 @@
-"""The fused decode step: the decoder layers of a pure-decode batch in one C++ call, owned by the
-model runner (as a GPU engine owns its captured graphs).
+"""The fused step: the decoder layers of a decode batch, or of a few new tokens per sequence, in one
+C++ call, owned by the model runner (as a GPU engine owns its captured graphs).
 
 A decode step of a small model is a few hundred short kernels, and the module path spends
 ~150 µs per layer between them (smollm2-135m: ~4.5 ms of a ~15 ms step) in module calls,
@@ -14,9 +14,12 @@ MLP output). Models know nothing of it: it reads their layers (`fused_decode_kin
 the Llama block, "sandwich" for Gemma 3's four norms; a subclass that changes `forward` must set it
 to None) and each linear method's description of its weight parts (`LinearMethod.decode_parts`).
 
-A step runs fused when every sequence adds one token, the attention backend is the C++ one, the
-quantized matmuls take a q8 path at this batch size (`kernels.quant.q8_levels`), every linear
-method describes its product with C++ kernels, and the positions are inside the RoPE tables.
+A step runs fused when the attention backend is the C++ one, the quantized matmuls take a q8 path
+at the step's token count (`kernels.quant.q8_levels`: up to 8 rows; a dense model at any count),
+every linear method describes its product with C++ kernels, and the positions are inside the RoPE
+tables. Decodes attend with the decode kernel; steps where sequences bring several new tokens (short
+prompts, a chunk over a cached prefix, speculative verification) with the tiled one, as the module
+path does.
 Otherwise `forward` returns None and the runner takes the module path, unchanged. A range of
 layers can run alone (`start`, `end`, with the residual stream coming in): a pipeline stage's.
 """
@@ -57,10 +60,10 @@ class FusedDecodeStep:
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, start: int = 0, end: int | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layers start .. end - 1 of a pure-decode batch, fused: (block output, residual stream), or
-        None when this step cannot take the fused path."""
+        """Layers start .. end - 1 of the batch, fused: (block output, residual stream), or None when this
+        step cannot take the fused path."""
         meta = batch.attn
-        if not meta.is_pure_decode or x.dtype != torch.float32 or x.dim() != 2 or not x.shape[0]:
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.shape[0]:
             return None
         if not isinstance(batch.backend, CPUKernelAttentionBackend) or batch.backend.kernels is None:
             return None
@@ -86,11 +89,13 @@ class FusedDecodeStep:
             levels = 2  # dense layers only: the level count is never read
         metas = [batch.attn_for(layer) for layer in self.group_first_layer]
         lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
+        starts = None if meta.is_pure_decode else meta.derived("query_start_loc",
+                                                               lambda: torch.tensor(meta.query_start_loc))
         self.steps += 1
         n = len(layers)
         end = n if end is None else end
         return self.step.forward(x, residual, batch.positions, [m.block_tables for m in metas], lens,
-                                 [m.slot_mapping for m in metas], levels, start, end)
+                                 [m.slot_mapping for m in metas], starts, levels, start, end)
 
     def _set_hooks(self) -> None:
         hooks = self.hooks or LayerHooks()

@@ -6,6 +6,8 @@ void bind_decode_step(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_attention", &paged_attention, "attention over a paged KV cache for any number of new tokens per "
+        "sequence (tiled over keys, online softmax)");
   m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x, optionally after residual += x (in place)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());

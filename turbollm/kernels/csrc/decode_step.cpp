@@ -1,5 +1,5 @@
-// The fused decode step: every decoder layer of a llama-family or gemma3 model, for a batch in
-// which each sequence adds one token, in one call from Python.
+// The fused step: every decoder layer of a llama-family or gemma3 model, for a batch of decodes or
+// of a few new tokens per sequence, in one call from Python.
 //
 // A decode step of a small model is hundreds of short kernels; between them the Python module
 // path spends ~150 us per layer (smollm2-135m) in module calls, argument parsing and dispatch.
@@ -167,14 +167,16 @@ class DecodeStep {
     mlp_out_ = std::move(mlp_out);
   }
 
-  // Layers [start, end) of a decode step. x [B, hidden]: layer start's input (the embedded new
-  // tokens when start is 0); residual: the residual stream coming in (None before layer 0).
-  // block_tables and slot_mappings: one per KV-cache group. Returns (block output, residual stream)
-  // after layer end - 1, as the module path leaves them for the next layer or the final norm.
+  // Layers [start, end) of a step. x [T, hidden]: layer start's input (the embedded new tokens
+  // when start is 0); residual: the residual stream coming in (None before layer 0). block_tables
+  // and slot_mappings: one per KV-cache group. query_start_loc [B + 1]: sequence b's new tokens are
+  // rows [qsl[b], qsl[b + 1]) (attended by the tiled kernel, paged_attention); None: one new token
+  // per sequence (the decode kernel). Returns (block output, residual stream) after layer end - 1,
+  // as the module path leaves them for the next layer or the final norm.
   std::vector<torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual_in, torch::Tensor positions,
                                      std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
-                                     std::vector<torch::Tensor> slot_mappings, int64_t levels, int64_t start,
-                                     int64_t end) {
+                                     std::vector<torch::Tensor> slot_mappings, c10::optional<torch::Tensor> query_start_loc,
+                                     int64_t levels, int64_t start, int64_t end) {
     TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size(), "decode step: no layers or no KV caches");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode step: x must be float32 [B, hidden]");
     TORCH_CHECK(0 <= start && start < end && end <= (int64_t)layers_.size(), "decode step: bad layer range");
@@ -206,8 +208,12 @@ class DecodeStep {
       rope_(q, k, positions, L.cos, L.sin);
       const int64_t g = groups_[i];
       paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mappings[g]);
-      torch::Tensor a = paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens, L.scale,
-                                               L.window, L.softcap).reshape({B, -1});
+      torch::Tensor a = (query_start_loc
+                             ? paged_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], *query_start_loc,
+                                               seq_lens, L.scale, L.window, L.softcap)
+                             : paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens,
+                                                      L.scale, L.window, L.softcap))
+                            .reshape({B, -1});
       torch::Tensor o = L.o(a, levels);
       call_hook(attn_out_, i, o);
       if (L.pre_ff_norm) {

@@ -2,7 +2,8 @@
 // (bindings.cpp) and the fused decode step (decode_step.cpp), which calls them without Python.
 //
 // fused_ops.cpp: rms_norm, rope_, gated_act; paged_attention.cpp: paged_decode_attention,
-// paged_write_kv; dense_gemv.cpp: dense_linear (float32 decode rows); quant_ops.cpp: the
+// paged_write_kv; flash_attention.cpp: paged_attention (any number of new tokens per sequence);
+// dense_gemv.cpp: dense_linear (float32 decode rows); quant_ops.cpp: the
 // quantized matmuls (weight formats in quant_ops.cpp's header comment; their PyTorch references in
 // turbollm/kernels/quant.py); scaled_row_max.cpp: the int8 equalization search's row maxima.
 #pragma once
@@ -15,6 +16,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      int64_t window, double softcap);
 void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                              double scale, int64_t window, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gated_act(torch::Tensor gate_up, int64_t act);

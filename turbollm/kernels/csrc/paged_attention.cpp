@@ -18,97 +18,11 @@
 #include <limits>
 #include <vector>
 
-#include "vec_math.h"
+#include "attention_simd.h"
 
 namespace {
 
 constexpr int64_t kChunk = 256;  // cached positions per task
-
-// Cache element types: float32, or float16 widened on load (F16C).
-static inline float to_f32(float v) { return v; }
-static inline float to_f32(at::Half v) { return static_cast<float>(v); }
-#ifdef __AVX2__
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
-
-// Software prefetch of `count` cache rows of `bytes` each: the rows of a paged cache are
-// scattered blocks, which the hardware prefetcher follows poorly (cold caches ran at ~7 GB/s).
-template <class T>
-static inline void prefetch_rows(const T* const* rows, int64_t count, int64_t bytes) {
-  for (int64_t j = 0; j < count; ++j)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 3);
-}
-
-template <class T>
-static inline float dot(const float* a, const T* b, int64_t n) {
-#ifdef __AVX2__
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float r = _mm_cvtss_f32(s);
-  for (; i < n; ++i) r += a[i] * to_f32(b[i]);
-  return r;
-#else
-  float r = 0.f;
-  for (int64_t i = 0; i < n; ++i) r += a[i] * to_f32(b[i]);
-  return r;
-#endif
-}
-
-#ifdef __AVX2__
-// Eight dot products q . k_j (j < 8) of length D (a multiple of 8) as one vector.
-template <class T>
-static inline __m256 dot8(const float* q, const T* const k[8], int64_t D) {
-  __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(k[j] + i), a[j]);
-  }
-  // transpose-reduce: lane j of the result is the sum of a[j]
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  // s0123 = [0 1 2 3 | 0 1 2 3] halves (low lane: elements 0-3, high lane: 4-7 of each a)
-  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  return _mm256_add_ps(lo, hi);
-}
-
-// acc[g][0:32) += sum_t p[g][t] * v_t[d0:d0+32) for NG heads at once (accumulators in registers).
-template <int NG, class T>
-static inline void accum_v32(const T* const* vrows, const float* p, int64_t pstride, int64_t n, int64_t d0,
-                             float* acc, int64_t D) {
-  __m256 a[NG][4];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
-  for (int64_t t = 0; t < n; ++t) {
-    if (d0 == 0 && t + 8 < n) prefetch_rows(vrows + t + 8, 1, D * sizeof(T));
-    const T* v = vrows[t] + d0;
-    const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
-    for (int g = 0; g < NG; ++g) {
-      const __m256 w = _mm256_broadcast_ss(p + g * pstride + t);
-      a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
-      a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
-      a[g][2] = _mm256_fmadd_ps(w, v2, a[g][2]);
-      a[g][3] = _mm256_fmadd_ps(w, v3, a[g][3]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
-}
-#endif
 
 // The partial attention of G query heads over cached positions [t0, t1) of one KV head.
 // off[i] is the element offset of position t0 + i's row in either cache; outputs: m[G], l[G],

@@ -1,0 +1,109 @@
+"""The any-query paged attention kernel (kernels/csrc/flash_attention.cpp) against the plain PyTorch
+attention: prefill chunks over cached prefixes, verification-sized steps, decodes and mixes of
+them in one batch, on odd shapes (head dims not a multiple of 8 or 32, GQA 1:1 to 7:1, MQA, block
+sizes that do not divide the lengths), with sliding windows, soft-capping and float16 K/V; split
+and unsplit tasks; and the backend using it for every step that is not a pure decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import require_kernels
+from test_attention import _random_paged, _reference
+from turbollm.attention.backend import CPUKernelAttentionBackend
+
+
+def _run(kernels, q, kc, vc, meta, scale, window, softcap):
+    out = kernels.paged_attention(q, kc, vc, meta.block_tables, torch.tensor(meta.query_start_loc),
+                                  torch.tensor(meta.seq_lens), scale, window or -1, softcap or 0.0)
+    return out.reshape(q.shape[0], -1)
+
+
+CASES = [  # (lens, new tokens per sequence)
+    ([40], [40]),  # a whole prompt
+    ([300], [37]),  # a chunk over a cached prefix (several query tiles, keys in several steps)
+    ([129, 70], [5, 8]),  # verification-sized steps
+    ([9, 30, 12, 5, 64], [1, 6, 1, 5, 17]),  # decodes and chunks mixed
+    ([1000], [3]),  # few tasks: split over the keys
+]
+
+
+@pytest.mark.parametrize("lens,q_lens", CASES)
+@pytest.mark.parametrize("Hq,Hk,D,bs", [(4, 2, 64, 16), (7, 1, 40, 5), (3, 3, 20, 16), (14, 2, 72, 7)])
+def test_matches_reference(lens, q_lens, Hq, Hk, D, bs):
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged(lens, q_lens, Hq, Hk, D, bs, seed=len(lens) + D)
+    got = _run(kernels, q, kc, vc, meta, D ** -0.5, None, None)
+    torch.testing.assert_close(got, _reference(q, kc, vc, meta, D ** -0.5, None), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (33, None), (None, 20.0), (100, 30.0)])
+@pytest.mark.parametrize("lens,q_lens", CASES[1:4])
+def test_windows_and_softcap(lens, q_lens, window, softcap):
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged(lens, q_lens, 6, 2, 32, 16, seed=7)
+    q = q * 4  # large scores: the cap and the running max both matter
+    got = _run(kernels, q, kc, vc, meta, 0.2, window, softcap)
+    ref = _reference_capped(q, kc, vc, meta, 0.2, window, softcap)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)  # float tanh / exp against torch's: ~3e-6
+
+
+def _reference_capped(q, kc, vc, meta, scale, window, softcap):
+    from turbollm.attention.backend import attend_one, gather_kv
+
+    outs = []
+    for i in range(meta.num_seqs):
+        s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        k = gather_kv(kc, meta.block_tables[i], meta.seq_lens[i])
+        v = gather_kv(vc, meta.block_tables[i], meta.seq_lens[i])
+        outs.append(attend_one(q[s:e], k, v, scale, meta.seq_lens[i] - (e - s), window, softcap))
+    return torch.cat(outs)
+
+
+def test_float16_cache_and_strided_queries():
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged([77, 20], [77, 4], 8, 2, 64, 16, seed=3)
+    kc, vc = kc.half(), vc.half()
+    qkv = torch.cat([q.reshape(q.shape[0], -1), torch.randn(q.shape[0], 256)], dim=1)  # q as a view of QKV
+    qv = qkv[:, :q.numel() // q.shape[0]].view(q.shape[0], 8, 64)
+    assert not qv.is_contiguous()
+    got = _run(kernels, qv, kc, vc, meta, 0.125, None, None)
+    torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.125, None), rtol=1e-5, atol=2e-6)
+
+
+def test_one_thread_equals_two():
+    """The split over keys depends on the thread count; the result may not (beyond rounding)."""
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged([2000], [5], 4, 1, 64, 16, seed=9)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(kernels, q, kc, vc, meta, 0.125, None, None)
+        torch.set_num_threads(2)
+        two = _run(kernels, q, kc, vc, meta, 0.125, None, None)
+    finally:
+        torch.set_num_threads(n)
+    torch.testing.assert_close(one, two, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(two, _reference(q, kc, vc, meta, 0.125, None), rtol=1e-5, atol=2e-6)
+
+
+def test_backend_uses_it_for_prefill_and_mixed_steps(monkeypatch):
+    """The C++ backend sends every step that is not a pure decode to the kernel, in one call."""
+    backend = CPUKernelAttentionBackend()
+    if backend.kernels is None:
+        require_kernels()
+    calls = []
+    real = backend.kernels
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "paged_attention":
+                return lambda *a: calls.append(a) or real.paged_attention(*a)
+            return getattr(real, name)
+
+    monkeypatch.setattr(backend, "kernels", Spy())
+    q, kc, vc, meta = _random_paged([9, 30, 12], [1, 6, 12], 4, 2, 32, 16, seed=2)
+    got = backend.forward(q, kc, vc, meta, 0.25, None, None)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.25, None), rtol=1e-5, atol=2e-6)
