@@ -29,13 +29,13 @@ def _random_paged(lens, q_lens, Hq, Hk, D, bs, seed=0):
     return q, k_cache, v_cache, meta
 
 
-def _reference(q, k_cache, v_cache, meta, scale, window):
+def _reference(q, k_cache, v_cache, meta, scale, window, softcap=None):
     outs = []
     for i in range(meta.num_seqs):
         s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         k = gather_kv(k_cache, meta.block_tables[i], meta.seq_lens[i])
         v = gather_kv(v_cache, meta.block_tables[i], meta.seq_lens[i])
-        outs.append(attend_one(q[s:e], k, v, scale, meta.seq_lens[i] - (e - s), window, None))
+        outs.append(attend_one(q[s:e], k, v, scale, meta.seq_lens[i] - (e - s), window, softcap))
     return torch.cat(outs)
 
 

@@ -92,3 +92,25 @@ static inline void accum_v32(const T* const* vrows, const float* p, int64_t pstr
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
 }
 #endif
+
+// acc[r] += sum_j p[r][j] * v_j for R rows (p: [R, n], row stride n; acc: [R, D]); registers
+// hold three rows' 32-column slices at a time, the tail columns go scalar.
+template <class T>
+static inline void accum_pv(const T* const* vrows, const float* p, int64_t n, int64_t R, float* acc, int64_t D) {
+  int64_t d0 = 0;
+#ifdef __AVX2__
+  for (; d0 + 32 <= D; d0 += 32) {
+    int64_t r = 0;
+    for (; r + 3 <= R; r += 3) accum_v32<3>(vrows, p + r * n, n, n, d0, acc + r * D, D);
+    if (R - r == 2) accum_v32<2>(vrows, p + r * n, n, n, d0, acc + r * D, D);
+    if (R - r == 1) accum_v32<1>(vrows, p + r * n, n, n, d0, acc + r * D, D);
+  }
+#endif
+  if (d0 < D)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t r = 0; r < R; ++r) {
+        const float w = p[r * n + j];
+        float* o = acc + r * D;
+        for (int64_t d = d0; d < D; ++d) o[d] += w * to_f32(vrows[j][d]);
+      }
+}

@@ -126,23 +126,7 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
     }
     // acc += P V
     for (int64_t j = 0; j < n; ++j) rows[j] = vp + off[j];
-    int64_t d0 = 0;
-#ifdef __AVX2__
-    for (; d0 + 32 <= D; d0 += 32) {
-      int64_t r = 0;
-      for (; r + 3 <= R; r += 3) accum_v32<3>(rows.data(), scores.data() + r * n, n, n, d0, acc + r * D, D);
-      if (R - r == 2) accum_v32<2>(rows.data(), scores.data() + r * n, n, n, d0, acc + r * D, D);
-      if (R - r == 1) accum_v32<1>(rows.data(), scores.data() + r * n, n, n, d0, acc + r * D, D);
-    }
-#endif
-    if (d0 < D)
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t r = 0; r < R; ++r) {
-          const float p = scores[r * n + j];
-          if (p == 0.f) continue;
-          float* o = acc + r * D;
-          for (int64_t d = d0; d < D; ++d) o[d] += p * to_f32(rows[j][d]);
-        }
+    accum_pv(rows.data(), scores.data(), n, R, acc, D);
   }
 }
 

@@ -86,22 +86,7 @@ void attend_chunk(const Task& tk, int64_t n, const T* kp, const T* vp, const int
   }
   for (int64_t i = 0; i < n; ++i) rows[i] = vp + off[i];
   std::fill(acc, acc + G * D, 0.f);
-  int64_t d0 = 0;
-#ifdef __AVX2__
-  for (; d0 + 32 <= D; d0 += 32) {
-    int64_t g = 0;
-    for (; g + 3 <= G; g += 3) accum_v32<3>(rows.data(), scores.data() + g * n, n, n, d0, acc + g * D, D);
-    if (G - g == 2) accum_v32<2>(rows.data(), scores.data() + g * n, n, n, d0, acc + g * D, D);
-    if (G - g == 1) accum_v32<1>(rows.data(), scores.data() + g * n, n, n, d0, acc + g * D, D);
-  }
-#endif
-  if (d0 < D)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * n + i];
-        float* o = acc + g * D;
-        for (int64_t d = d0; d < D; ++d) o[d] += p * to_f32(rows[i][d]);
-      }
+  accum_pv(rows.data(), scores.data(), n, G, acc, D);
 }
 
 template <class T>
