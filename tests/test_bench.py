@@ -250,3 +250,112 @@ def test_bench_throughput_batch_sweep(capsys):
     assert [r["batch_size"] for r in rows] == [1, 3]
     assert rows[0]["x_first_batch"] == 1.0 and all(r["decode_tok_per_s"] > 0 for r in rows)
     assert "| batch | decode tok/s |" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- vLLM anchor (a fake vllm package)
+FAKE_VLLM = '''
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False, **kw):
+        self.temperature, self.max_tokens, self.ignore_eos = temperature, max_tokens, ignore_eos
+
+
+class _Completion:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+
+class _Output:
+    def __init__(self, prompt_token_ids, token_ids):
+        self.prompt_token_ids, self.outputs = prompt_token_ids, [_Completion(token_ids)]
+
+
+class LLM:
+    def __init__(self, model, dtype="auto", **kwargs):
+        import json, os
+        assert dtype == "float32" and os.path.isfile(os.path.join(model, "config.json"))
+        self.kwargs = kwargs
+        log = os.environ.get("FAKE_VLLM_LOG")
+        if log:
+            with open(log, "w") as f:
+                json.dump({"model": model, "kwargs": kwargs, "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                           "kv": os.environ.get("VLLM_CPU_KVCACHE_SPACE"), "calls": []}, f)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        assert all(p.temperature == 0 and p.ignore_eos for p in params)
+        return [_Output(p["prompt_token_ids"], [(sum(p["prompt_token_ids"]) + i) % 97 for i in range(sp.max_tokens)])
+                for p, sp in zip(prompts, params)]
+'''
+FAKE_VLLM_INPUTS = '''
+def TokensPrompt(prompt_token_ids):
+    return {"prompt_token_ids": list(prompt_token_ids)}
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """PYTHONPATH pointing at a stand-in `vllm` package: `--vllm-python` can be this very interpreter."""
+    import sys
+
+    pkg = tmp_path / "fakevllm" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    (pkg / "inputs.py").write_text(FAKE_VLLM_INPUTS)
+    monkeypatch.setenv("PYTHONPATH", str(pkg.parent))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "fake_log.json"))
+    return sys.executable
+
+
+def test_vllm_backend_json_contract(fake_vllm, tiny_qwen2, tmp_path):
+    from turbollm.benchmarks.datasets import BenchRequest
+    from turbollm.benchmarks.vllm_backend import run_vllm_throughput
+
+    reqs = [BenchRequest([5, 6, 7, 8], 3), BenchRequest([9, 10, 11], 3)]
+    res = run_vllm_throughput(fake_vllm, tiny_qwen2, reqs, threads=1, max_num_seqs=8, kv_cache_gib=1)
+    assert res["backend"] == "vllm" and res["vllm_version"] == "0.0-fake"
+    assert res["num_requests"] == 2 and res["prompt_tokens"] == 7 and res["output_tokens"] == 6
+    assert res["output_tok_per_s"] > 0 and res["total_tok_per_s"] > res["output_tok_per_s"]
+    assert res["threads"] == 1 and res["llm_kwargs"]["dtype"] == "float32"
+    log = json.loads((tmp_path / "fake_log.json").read_text())
+    assert log["kwargs"]["max_model_len"] == 7 and log["kwargs"]["max_num_seqs"] == 8
+    assert log["kv"] == "1" and log["bind"] and log["model"] == str(tiny_qwen2.resolve())
+
+
+def test_vllm_backend_failing_interpreter(fake_vllm, tiny_qwen2, tmp_path, monkeypatch):
+    from turbollm.benchmarks.datasets import BenchRequest
+    from turbollm.benchmarks.vllm_backend import check_python, run_vllm_throughput
+
+    reqs = [BenchRequest([5, 6, 7], 2)]
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nowhere"))  # no vllm to import
+    with pytest.raises(BenchmarkError, match=r"(?s)vLLM .* failed with exit status 1.*No module named 'vllm'"):
+        run_vllm_throughput(fake_vllm, tiny_qwen2, reqs, threads=1, max_num_seqs=4, kv_cache_gib=1)
+    with pytest.raises(BenchmarkError, match="not an executable file"):
+        check_python(str(tmp_path / "no-python"))
+    with pytest.raises(BenchmarkError, match="needs --vllm-python"):
+        check_python(None)
+
+
+def test_bench_throughput_vllm_backend(fake_vllm, tiny_qwen2, tmp_path, capsys):
+    from turbollm.cli.bench_perf_cmd import bench_throughput
+    from turbollm.cli.main import main
+
+    out = tmp_path / "v.json"
+    rec = bench_throughput(_ns("bench", "throughput", "-m", str(tiny_qwen2), "--dataset", "random",
+                               "--num-prompts", "3", "--input-len", "6", "--output-len", "4", "--backend", "vllm",
+                               "--vllm-python", fake_vllm, "--threads", "1", "--kv-cache-memory", "0.01",
+                               "--json", str(out)))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rec, default=str))
+    printed = capsys.readouterr().out
+    assert printed.index("== turbollm_fp32 ==") < printed.index("== vllm_fp32 ==") < printed.index("== turbollm / vLLM")
+    r = rec["results"]
+    assert "turbollm_default" not in r  # an fp32 folder has no other default
+    assert r["turbollm_fp32"]["output_tokens"] == r["vllm_fp32"]["output_tokens"] == 12
+    assert rec["setting"]["turbollm_fp32"]["model"]["weights_dtype"] and rec["setting"]["threads"] == 1
+    assert rec["setting"]["vllm"]["weights_dtype"].startswith("float32")
+    assert r["comparison"]["turbollm_fp32_over_vllm_fp32"]["output_tok_per_s"] == pytest.approx(
+        r["turbollm_fp32"]["output_tok_per_s"] / r["vllm_fp32"]["output_tok_per_s"], rel=1e-2)
+    assert main(["bench", "throughput", "-m", str(tiny_qwen2), "--backend", "vllm"]) == 1  # no --vllm-python

