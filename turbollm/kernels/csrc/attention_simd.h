@@ -3,6 +3,7 @@
 // AVX2 with scalar fallbacks; static inline, so each kernel file has its own copy.
 #pragma once
 #include <ATen/ATen.h>
+#include <cmath>
 #include <cstdint>
 
 #include "vec_math.h"
@@ -113,4 +114,26 @@ static inline void accum_pv(const T* const* vrows, const float* p, int64_t n, in
         float* o = acc + r * D;
         for (int64_t d = d0; d < D; ++d) o[d] += w * to_f32(vrows[j][d]);
       }
+}
+
+// s[i] = exp(s[i] - mx) for i in [a, e); returns their sum (eight lanes, then the tail in order).
+static inline float exp_sum(float* s, int64_t a, int64_t e, float mx) {
+  float sum = 0.f;
+  int64_t i = a;
+#ifdef __AVX2__
+  __m256 vs = _mm256_setzero_ps();
+  for (; i + 8 <= e; i += 8) {
+    const __m256 v = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + i, v);
+    vs = _mm256_add_ps(vs, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vs);
+  for (float f : lanes) sum += f;
+#endif
+  for (; i < e; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
 }

@@ -101,20 +101,7 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
       float mx = m[r];
       for (int64_t x = a; x < e; ++x) mx = std::max(mx, s[x]);
       const float corr = m[r] == ninf ? 0.f : std::exp(m[r] - mx);
-      float sum = 0.f;
-      int64_t x = a;
-#ifdef __AVX2__
-      __m256 vs = _mm256_setzero_ps();
-      for (; x + 8 <= e; x += 8) {
-        const __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + x), _mm256_set1_ps(mx)));
-        _mm256_storeu_ps(s + x, ev);
-        vs = _mm256_add_ps(vs, ev);
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, vs);
-      for (float f : lanes) sum += f;
-#endif
-      for (; x < e; ++x) { s[x] = std::exp(s[x] - mx); sum += s[x]; }
+      const float sum = exp_sum(s, a, e, mx);
       std::fill(s, s + a, 0.f);
       std::fill(s + e, s + n, 0.f);
       if (corr != 1.f) {

@@ -67,22 +67,8 @@ void attend_chunk(const Task& tk, int64_t n, const T* kp, const T* vp, const int
     for (float f : mlanes) mx = std::max(mx, f);
 #endif
     for (; i < n; ++i) mx = std::max(mx, s[i]);
-    float sum = 0.f;
-    i = 0;
-#ifdef __AVX2__
-    __m256 vs = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(s + i, e);
-      vs = _mm256_add_ps(vs, e);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vs);
-    for (float f : lanes) sum += f;
-#endif
-    for (; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
     m[g] = mx;
-    l[g] = sum;
+    l[g] = exp_sum(s, 0, n, mx);
   }
   for (int64_t i = 0; i < n; ++i) rows[i] = vp + off[i];
   std::fill(acc, acc + G * D, 0.f);
