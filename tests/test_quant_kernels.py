@@ -268,3 +268,19 @@ def test_real_tensors(model, name):
         check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q8"), x, wd, t.qtype)
         check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q8x2"), x, wd, t.qtype, levels=2)
         check_q8(Q.ggml_linear(x, w, t.qtype, k, path="q16"), x, wd, t.qtype, levels=16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["q8", "q8x2", "q16"])
+@pytest.mark.parametrize("qtype", GGML_TYPES, ids=lambda t: t.name)
+def test_rows_do_not_depend_on_the_batch(qtype, path):
+    """Row invariance of the small-batch paths: every row's product is bit-identical computed alone and
+    among up to 8 rows, at each position of the batch (a row's sum runs in one order whatever the
+    number of rows a micro-kernel call takes)."""
+    gen = torch.Generator().manual_seed(100 + int(qtype))
+    n, k = 37, (512 if GGML_QUANT_SIZES[qtype][0] == 256 else 352)
+    w = random_weight(qtype, n, k, gen)
+    x = torch.randn(8, k, generator=gen)
+    alone = torch.cat([Q.ggml_linear(x[i:i + 1], w, qtype, k, path=path) for i in range(8)])
+    for m in (2, 3, 5, 8):
+        assert torch.equal(Q.ggml_linear(x[:m], w, qtype, k, path=path), alone[:m]), m

@@ -179,11 +179,13 @@ static inline void unpack_k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[
 #ifdef __AVX2__
 static inline float hsum(__m256 v);
 
-// The fp32 accumulators of T tokens: A independent chains per token (4 for one token, else 2),
-// so that the 4-cycle FMA latency does not bound the loop; at(t, j) takes chain j mod A.
+// The fp32 accumulators of T tokens: A independent chains per token, so that the 4-cycle FMA
+// latency does not bound the loop; at(t, j) takes chain j mod A. A is the same for every T, so a
+// row's sum runs in the same order whether a call takes it alone or with up to kMaxT - 1 others:
+// its product does not depend on the batch (row invariance, tests/test_quant_kernels.py).
 template <int T>
 struct Acc {
-  static constexpr int A = T == 1 ? 4 : 2;
+  static constexpr int A = 2;
   __m256 v[T][A];
   Acc() {
     for (int t = 0; t < T; ++t)
