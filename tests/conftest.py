@@ -2,7 +2,9 @@
 
 Strict mode (`strict_mode()`: ``CI`` set to true/1, or ``TURBOLLM_STRICT_TESTS=1``, which ``make test``
 sets) turns what would be an environment skip into a failure with the reason: a C++ kernel build that
-failed (`require_kernels`) and a catalog model that could not be downloaded (`catalog_model_path`).
+failed (`require_kernels`), a catalog model that could not be downloaded (`catalog_model_path`), and a
+missing module of the `test` extra that tests `importorskip` (`TEST_EXTRA_MODULES`, checked once when the
+session starts; optional peers such as llama_cpp are not in it and still skip).
 Deliberate choices still skip in strict mode: ``TURBOLLM_NO_KERNELS=1`` (kernels off),
 ``TURBOLLM_TEST_OFFLINE=1`` (no downloads) and optional models asked for with ``download=False``.
 Outside strict mode a machine without a compiler or network gets skips and one summary line.
@@ -92,6 +94,27 @@ def require_kernels(full_output: bool = False):
 def needs_kernels():
     """`require_kernels()` as a fixture: ``pytestmark = pytest.mark.usefixtures("needs_kernels")``."""
     return require_kernels()
+
+
+#: modules of pyproject's `test` extra that test files `pytest.importorskip`: `make test` installs them,
+#: so in strict mode their absence is a broken environment, not a reason to skip
+TEST_EXTRA_MODULES = ("transformers", "httpx", "openai", "schemathesis")
+
+
+def pytest_sessionstart(session):
+    if not strict_mode():
+        return
+    import importlib
+
+    missing = []
+    for name in TEST_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(f"{name} ({e})")
+    if missing:
+        pytest.exit(f"the test extra is not installed: {', '.join(missing)}; pip install -e '.[test]' "
+                    f"({STRICT_HOW})", returncode=1)
 
 
 def pytest_report_header(config):
