@@ -91,14 +91,20 @@ class Q8_0(BlockQuantizer, qtype=T.Q8_0):
         return torch.cat((fp16_bytes(d), q), dim=1)
 
 
+def _offset_quants(blocks: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q5_0's scheme: ``d = max / -half`` (max: the value of largest magnitude, first on ties),
+    ``q = trunc(x/d + half + 0.5)`` clamped to ``[0, 2 half - 1]``; (d, q int32)."""
+    _, mx = first_absmax(blocks, 1)
+    d = mx / -half
+    return d, torch.trunc(blocks * _inverse(d)[:, None] + (half + 0.5)).clamp_(0, 2 * half - 1).to(torch.int32)
+
+
 class Q4_0(BlockQuantizer, qtype=T.Q4_0):
     """18 bytes: ``d`` fp16 | 16 nibble bytes. ``d = max / -8``, ``q = min(15, trunc(x/d + 8.5))``."""
 
     @classmethod
     def quantize_blocks(cls, blocks: torch.Tensor) -> torch.Tensor:
-        _, mx = first_absmax(blocks, 1)
-        d = mx / -8
-        q = torch.trunc(blocks * _inverse(d)[:, None] + 8.5).clamp_(0, 15).to(torch.int32)
+        d, q = _offset_quants(blocks, 8)
         return torch.cat((fp16_bytes(d), _nibbles(q)), dim=1)
 
 
@@ -118,9 +124,7 @@ class Q5_0(BlockQuantizer, qtype=T.Q5_0):
 
     @classmethod
     def quantize_blocks(cls, blocks: torch.Tensor) -> torch.Tensor:
-        _, mx = first_absmax(blocks, 1)
-        d = mx / -16
-        q = torch.trunc(blocks * _inverse(d)[:, None] + 16.5).clamp_(0, 31).to(torch.int32)
+        d, q = _offset_quants(blocks, 16)
         return torch.cat((fp16_bytes(d), _high_bits(q), _nibbles(q)), dim=1)
 
 

@@ -3,8 +3,10 @@
 // AVX2 with scalar fallbacks; static inline, so each kernel file has its own copy.
 #pragma once
 #include <ATen/ATen.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "vec_math.h"
 
@@ -136,4 +138,26 @@ static inline float exp_sum(float* s, int64_t a, int64_t e, float mx) {
     sum += s[i];
   }
   return sum;
+}
+
+// Row r's output from C partial results of a split over the keys: part c, at base + c * stride, holds
+// m[R], l[R] and the unnormalized acc[R * D]; o = sum_c w_c acc_c[r] / sum_c w_c l_c[r] with
+// w_c = exp(m_c[r] - max_c m_c[r]). o must be zero on entry; a part that saw none of the row's keys
+// (m = -inf) adds nothing.
+static inline void merge_parts_row(const float* base, int64_t stride, int64_t C, int64_t R, int64_t r, int64_t D,
+                                   float* o) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx = ninf;
+  for (int64_t c = 0; c < C; ++c) mx = std::max(mx, base[c * stride + r]);
+  float lsum = 0.f;
+  for (int64_t c = 0; c < C; ++c) {
+    const float* pc = base + c * stride;
+    if (pc[r] == ninf) continue;
+    const float w = std::exp(pc[r] - mx);
+    lsum += w * pc[R + r];
+    const float* a = pc + 2 * R + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+  }
+  const float inv = 1.f / lsum;
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }

@@ -195,24 +195,12 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
       ++e;
     if (e == j) { ++j; continue; }
     const TaskDef& tk = tasks[j];
-    const int64_t nq = tk.i1 - tk.i0, R = nq * G;
+    const int64_t nq = tk.i1 - tk.i0, R = nq * G, stride = rows_max * (D + 2);
+    const float* base = partial.data() + tk.part * stride;  // the parts of one split are numbered in a row
     for (int64_t r = 0; r < R; ++r) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (size_t c = j; c < e; ++c) mx = std::max(mx, partial[tasks[c].part * rows_max * (D + 2) + r]);
-      const int64_t i = r / G, g = r % G;
-      float* o = op + ((qs[tk.b] + tk.i0 + i) * Hq + tk.h * G + g) * D;
+      float* o = op + ((qs[tk.b] + tk.i0 + r / G) * Hq + tk.h * G + r % G) * D;
       std::fill(o, o + D, 0.f);
-      float lsum = 0.f;
-      for (size_t c = j; c < e; ++c) {
-        const float* pc = partial.data() + tasks[c].part * rows_max * (D + 2);
-        if (pc[r] == -std::numeric_limits<float>::infinity()) continue;  // this part saw nothing of row r
-        const float w = std::exp(pc[r] - mx);
-        lsum += w * pc[R + r];
-        const float* a = pc + 2 * R + r * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-      }
-      const float inv = 1.f / lsum;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      merge_parts_row(base, stride, (int64_t)(e - j), R, r, D, o);
     }
     j = e;
   }

@@ -143,23 +143,9 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hk, h = job % Hk, C = nch[b];
       if (C <= 1) continue;
-      float* og = op + (b * Hq + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p0 = partial.data() + (first[b] + h * C) * part;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < C; ++c) mx = std::max(mx, p0[c * part + g]);
-        float lsum = 0.f;
-        float* o = og + g * D;
-        for (int64_t c = 0; c < C; ++c) {
-          const float* pc = p0 + c * part;
-          const float w = std::exp(pc[g] - mx);
-          lsum += w * pc[G + g];
-          const float* a = pc + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.f / lsum;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
+      float* og = op + (b * Hq + h * G) * D;  // zeros (torch::zeros)
+      const float* p0 = partial.data() + (first[b] + h * C) * part;
+      for (int64_t g = 0; g < G; ++g) merge_parts_row(p0, part, C, G, g, D, og + g * D);
     }
   });
   return out;
