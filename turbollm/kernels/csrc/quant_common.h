@@ -12,7 +12,7 @@
 //   sub-blocks (times their integer scales) add up in int32 before one float conversion; the
 //   integer sums of each 16 values, bs16, serve the mins / offsets.
 //
-// A kernel computes out[t] = dot(weight row n, activation row m0 + t) for t < T (T = 1..4
+// A kernel computes out[t] = dot(weight row n, activation row m0 + t) for t < T (T = 1..kMaxT
 // tokens at once), decoding each weight block once for the T tokens.
 #pragma once
 #include <cstdint>
@@ -23,7 +23,7 @@
 
 namespace tq {
 
-constexpr int kMaxT = 4;  // tokens per micro-kernel call
+constexpr int kMaxT = 8;  // most tokens per micro-kernel call (types fill dot[0..tokens - 1])
 
 // The quantized activations of M rows; row m of each array starts at m * (K / width).
 struct QAct {
@@ -82,6 +82,13 @@ struct TypeKernels {
   // two (int4: the even column in the low nibble) then need no unpacking shuffles.
   bool act_even_odd = false;
   DeqFn deq = nullptr;
+  // Tokens per call of the dot (sixteen = false) or dot16 kernels: the count of filled slots.
+  int tokens(bool sixteen) const {
+    const DotFn* f = sixteen ? dot16 : dot;
+    int t = 0;
+    while (t < kMaxT && f[t]) ++t;
+    return t;
+  }
 };
 
 // GGML type ids (gguf.GGMLQuantizationType) plus two ids of our own for the non-GGML formats.

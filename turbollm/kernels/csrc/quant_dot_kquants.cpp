@@ -269,7 +269,10 @@ void deq_q6_k(const WView& w, int64_t n, float* out) {
 }
 
 #define TQ_FILL(k, fn) \
-  do { (k).dot[0] = fn<1>; (k).dot[1] = fn<2>; (k).dot[2] = fn<3>; (k).dot[3] = fn<4>; } while (0)
+  do {                                                                                         \
+    (k).dot[0] = fn<1>; (k).dot[1] = fn<2>; (k).dot[2] = fn<3>; (k).dot[3] = fn<4>;             \
+    (k).dot[4] = fn<5>; (k).dot[5] = fn<6>; (k).dot[6] = fn<7>; (k).dot[7] = fn<8>;             \
+  } while (0)
 template <int T> void dot_q4_k(const WView& w, int64_t n, const QAct& a, int64_t m0, float* o, int64_t s) {
   dot_k45<false, T>(w, n, a, m0, o, s);
 }

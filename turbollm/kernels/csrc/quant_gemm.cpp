@@ -59,13 +59,14 @@ constexpr int64_t kTokenChunk = 64;
 
 void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out) {
   const int64_t rt = std::max<int64_t>(1, kRowTileBytes / std::max<int64_t>(1, w.row_bytes));
+  const int64_t tmax = k.tokens(a.q16 != nullptr);
   at::parallel_for(0, N, row_grain(w.K, M), [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = n0; r0 < n1; r0 += rt) {
       const int64_t r1 = std::min(n1, r0 + rt);
       for (int64_t mc = 0; mc < M; mc += kTokenChunk) {
         const int64_t mend = std::min(M, mc + kTokenChunk);
-        for (int64_t m = mc; m < mend; m += kMaxT) {
-          const int64_t t = std::min<int64_t>(kMaxT, mend - m);
+        for (int64_t m = mc; m < mend; m += tmax) {
+          const int64_t t = std::min<int64_t>(tmax, mend - m);
           const DotFn dot = a.q16 ? k.dot16[t - 1] : k.dot[t - 1];
           for (int64_t n = r0; n < r1; ++n) dot(w, n, a, m, out + m * N + n, N);
         }
