@@ -77,7 +77,7 @@ def test_one_thread_equals_two():
 
 
 def test_backend_uses_it_for_prefill_and_mixed_steps(monkeypatch):
-    """The C++ backend sends every step that is not a pure decode to the kernel, in one call."""
+    """The C++ backend sends every step with more than 8 new tokens in a sequence to the kernel, in one call."""
     backend = CPUKernelAttentionBackend()
     if backend.kernels is None:
         require_kernels()
@@ -95,3 +95,38 @@ def test_backend_uses_it_for_prefill_and_mixed_steps(monkeypatch):
     got = backend.forward(q, kc, vc, meta, 0.25, None, None)
     assert len(calls) == 1
     torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.25, None), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("lens,q_lens", [([300], [5]), ([129, 70, 9], [8, 1, 3]), ([600, 257], [2, 8])])
+@pytest.mark.parametrize("window,softcap,half", [(None, None, False), (100, 30.0, False), (None, None, True)])
+def test_small_query_steps_are_one_decode_per_token(lens, q_lens, window, softcap, half):
+    """Steps where no sequence brings more than `small_query_max` tokens: the decode kernel with
+    query_start_loc attends each new token as a decode of its own position, bit for bit (row
+    invariance: a verification row equals the same token decoded alone), and the backend takes it."""
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged(lens, q_lens, 6, 2, 32, 16, seed=sum(lens))
+    if half:
+        kc, vc = kc.half(), vc.half()
+    w, cap = window or -1, softcap or 0.0
+    got = kernels.paged_decode_attention(q, kc, vc, meta.block_tables, torch.tensor(meta.seq_lens), 0.2, w, cap,
+                                         torch.tensor(meta.query_start_loc)).reshape(q.shape[0], -1)
+    for s, (n, length) in enumerate(zip(q_lens, lens)):
+        for j in range(n):
+            row = meta.query_start_loc[s] + j
+            alone = kernels.paged_decode_attention(q[row:row + 1].contiguous(), kc, vc, meta.block_tables[s:s + 1],
+                                                   torch.tensor([length - (n - 1 - j)]), 0.2, w, cap)
+            assert torch.equal(got[row], alone.reshape(-1)), (s, j)
+    ref = _reference(q, kc.float(), vc.float(), meta, 0.2, window, softcap)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    backend = CPUKernelAttentionBackend()
+    assert backend.kernels.small_query_max == 8
+    via_backend = backend.forward(q, kc, vc, meta, 0.2, window, softcap)
+    assert torch.equal(via_backend, got)
+
+
+def test_decode_kernel_refuses_long_query_runs():
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged([40], [9], 4, 2, 32, 16, seed=1)
+    with pytest.raises(RuntimeError, match="9 new tokens"):  # more than small_query_max: the tiled kernel's
+        kernels.paged_decode_attention(q, kc, vc, meta.block_tables, torch.tensor(meta.seq_lens), 0.2, -1, 0.0,
+                                       torch.tensor(meta.query_start_loc))

@@ -156,10 +156,17 @@ class TorchAttentionBackend(AttentionBackend):
             if meta.is_pure_decode:  # row i of q is sequence i (the kernel reads strided q)
                 res = self.kernels.paged_decode_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables,
                                                           lens, scale, window or -1, softcap or 0.0)
-            else:  # prefill chunks, verification, mixes: the tiled kernel, one call for the whole step
+            else:
                 starts = meta.derived("query_start_loc", lambda: torch.tensor(qsl))
-                res = self.kernels.paged_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables, starts,
-                                                   lens, scale, window or -1, softcap or 0.0)
+                if meta.max_query_len <= self.kernels.small_query_max:
+                    # a few new tokens per sequence (a prompt's tail, verification): one decode per token,
+                    # so each row's output is the one it has alone (row invariance)
+                    res = self.kernels.paged_decode_attention(_rows_contiguous(q), k_cache, v_cache,
+                                                              meta.block_tables, lens, scale, window or -1,
+                                                              softcap or 0.0, starts)
+                else:  # prefill chunks and mixes with them: the tiled kernel, one call for the whole step
+                    res = self.kernels.paged_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables,
+                                                       starts, lens, scale, window or -1, softcap or 0.0)
             return res.reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         done: set[int] = set()
@@ -182,8 +189,9 @@ class TorchAttentionBackend(AttentionBackend):
 @register_backend("cpu")
 class CPUKernelAttentionBackend(TorchAttentionBackend):
     """The torch backend with attention in our C++ kernels, reading the blocks in place (no gather):
-    `paged_decode_attention` for steps where every sequence adds one token, `paged_attention` (tiled
-    over keys with an online softmax, any number of new tokens per sequence) for every other step.
+    `paged_decode_attention` for steps where every sequence adds at most `small_query_max` (8) tokens
+    (one decode per new token, so a row's output never depends on the rows beside it), `paged_attention`
+    (tiled over keys with an online softmax, any number of new tokens per sequence) for every other step.
 
     Falls back to the pure-PyTorch path when the kernel cannot be compiled.
     """

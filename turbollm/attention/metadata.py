@@ -43,3 +43,9 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         """True when every sequence adds exactly one token (the decode fast path)."""
         return self.query_start_loc[-1] == self.num_seqs
+
+    @property
+    def max_query_len(self) -> int:
+        """The most new tokens any sequence of the step brings."""
+        qsl = self.query_start_loc
+        return max(b - a for a, b in zip(qsl, qsl[1:]))

@@ -15,11 +15,12 @@ the Llama block, "sandwich" for Gemma 3's four norms; a subclass that changes `f
 to None) and each linear method's description of its weight parts (`LinearMethod.decode_parts`).
 
 A step runs fused when the attention backend is the C++ one, the quantized matmuls take a q8 path
-at the step's token count (`kernels.quant.q8_levels`: up to 8 rows; a dense model at any count),
+at the step's token count (`kernels.quant.q8_levels`: up to 16 rows; a dense model at any count),
 every linear method describes its product with C++ kernels, and the positions are inside the RoPE
-tables. Decodes attend with the decode kernel; steps where sequences bring several new tokens (short
-prompts, a chunk over a cached prefix, speculative verification) with the tiled one, as the module
-path does.
+tables. Decodes, and steps where no sequence brings more than 8 new tokens (a prompt's tail over its
+cached prefix, speculative verification), attend with the decode kernel (one decode per new token:
+row invariance); steps with longer runs of new tokens (short prompts, chunks) with the tiled one, as
+the module path does.
 Otherwise `forward` returns None and the runner takes the module path, unchanged. A range of
 layers can run alone (`start`, `end`, with the residual stream coming in): a pipeline stage's.
 """

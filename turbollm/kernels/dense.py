@@ -3,8 +3,10 @@ dense LM head).
 
 Decode steps multiply a few rows of x (one per sequence) by each weight. The sgemm torch ships
 reads W at 8-13 GB/s of this machine's ~17 for one row, on one core whatever the thread count, and
-at 3.5-8 GB/s for 2 to 8 rows (docs/BENCHMARKS.md), so up to ``dense_max_rows`` (8) rows go to the C++
-kernel (csrc/dense_gemv.cpp: one pass over W per 4 rows of x, rows of W over torch's threads);
+at 3.5-8 GB/s for 2 to 8 rows (docs/BENCHMARKS.md), so up to ``dense_max_rows`` (16) rows go to the C++
+kernel (csrc/dense_gemv.cpp: tiles of W's rows over torch's threads, each tile visited by every group of
+4 rows of x while in cache; a row's result does not depend on the others, the row invariance of a
+batch-16 decode);
 more rows or other dtypes go from there to ``at::linear``, and without kernels ``F.linear`` is
 used, which is also the reference the test holds it to (tests/test_dense_gemv.py). The fused decode step calls the same C++ function, so module path
 and fused step stay bit-identical."""

@@ -57,11 +57,13 @@ INT8_PER_CHANNEL = 1000
 INT4_GROUPWISE = 1001
 INT3_GROUPWISE = 1002
 
-#: "auto": the q16 / q8x2 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
-#: K=1536 N=8960, best of repetitions, scripts/bench_qmatmul.py --q8x2): q8x2 runs at a flat
-#: ~30-45 GOP/s whatever M, dequant + sgemm climbs from ~13 GOP/s at M=2 to ~21 at M=4, ~33 at
-#: M=8 and ~42 at M=12, where they cross (k-quants tie at 12, legacy types already at 8).
-Q8X2_MAX_TOKENS = 8
+#: "auto": the q16 / q8x2 kernels up to this many tokens, dequantize + sgemm above. Within it a row's
+#: product does not depend on the other rows of the call (row invariance up to a batch-16 decode).
+#: Measured (2 threads, cold weights, scripts/bench_qmatmul.py --q8x2 --q16, 2026-12-03, Xeon): at
+#: M = 16 q16 beats dequant + sgemm on the legacy types (Q4_0 1536->8960 3.6 vs 4.5 ms, Q8_0 3.4 vs
+#: 4.9, 576->1536 0.28-0.30 vs 0.31-0.33) and the k-quants' q8x2 ties it (Q4_K 4.70 vs 4.44, Q6_K
+#: 4.24 vs 4.45); q8x2 stays at a flat ~90-100 GOP/s whatever M, dequant + sgemm climbs with M.
+Q8X2_MAX_TOKENS = 16
 
 #: "fast": the q8 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
 #: K=1536 N=1024 and 8960): q8 runs at a flat ~55-95 GOP/s whatever M, dequant + sgemm climbs

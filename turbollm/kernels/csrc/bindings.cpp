@@ -5,7 +5,12 @@
 void bind_decode_step(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU); with "
+        "query_start_loc, each of a sequence's few new tokens attended as a decode of its own position",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
+        pybind11::arg("query_start_loc") = pybind11::none());
+  m.attr("small_query_max") = kSmallQueryMax;
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache for any number of new tokens per "
         "sequence (tiled over keys, online softmax)");
   m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots");
@@ -24,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported16", &supported16, "whether a type has 16-bit activation (q16) kernels");
 
   m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias): a pass over W for up to 4 rows of x at a time "
-        "(up to 8 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),
+        "(up to 16 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("bias") = pybind11::none());
   m.attr("dense_max_rows") = kDenseMaxRows;
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)");

@@ -170,8 +170,8 @@ class DecodeStep {
   // Layers [start, end) of a step. x [T, hidden]: layer start's input (the embedded new tokens
   // when start is 0); residual: the residual stream coming in (None before layer 0). block_tables
   // and slot_mappings: one per KV-cache group. query_start_loc [B + 1]: sequence b's new tokens are
-  // rows [qsl[b], qsl[b + 1]) (attended by the tiled kernel, paged_attention); None: one new token
-  // per sequence (the decode kernel). Returns (block output, residual stream) after layer end - 1,
+  // rows [qsl[b], qsl[b + 1]) (attended one decode per token when no sequence brings more than
+  // kSmallQueryMax, else by the tiled kernel, paged_attention); None: one new token per sequence. Returns (block output, residual stream) after layer end - 1,
   // as the module path leaves them for the next layer or the final norm.
   std::vector<torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual_in, torch::Tensor positions,
                                      std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
@@ -185,6 +185,14 @@ class DecodeStep {
       TORCH_CHECK(g >= 0 && g < (int64_t)block_tables.size() && g < (int64_t)slot_mappings.size(),
                   "decode step: a layer's KV group has no block table or slot mapping");
     const int64_t B = x.size(0);
+    // small-query steps (every sequence brings at most kSmallQueryMax tokens) attend with the decode
+    // kernel, one decode per new token, as the module path does (attention/backend.py)
+    bool tiled = false;
+    if (query_start_loc) {
+      const auto qsl = query_start_loc->to(torch::kInt64).contiguous();
+      const int64_t* qs = qsl.data_ptr<int64_t>();
+      for (int64_t s = 0; s + 1 < qsl.numel(); ++s) tiled = tiled || qs[s + 1] - qs[s] > kSmallQueryMax;
+    }
     torch::Tensor residual = residual_in ? *residual_in : torch::Tensor();
     for (int64_t i = start; i < end; ++i) {
       const Layer& L = layers_[i];
@@ -208,11 +216,10 @@ class DecodeStep {
       rope_(q, k, positions, L.cos, L.sin);
       const int64_t g = groups_[i];
       paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mappings[g]);
-      torch::Tensor a = (query_start_loc
-                             ? paged_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], *query_start_loc,
-                                               seq_lens, L.scale, L.window, L.softcap)
-                             : paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens,
-                                                      L.scale, L.window, L.softcap))
+      torch::Tensor a = (tiled ? paged_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], *query_start_loc,
+                                                 seq_lens, L.scale, L.window, L.softcap)
+                               : paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens,
+                                                        L.scale, L.window, L.softcap, query_start_loc))
                             .reshape({B, -1});
       torch::Tensor o = L.o(a, levels);
       call_hook(attn_out_, i, o);

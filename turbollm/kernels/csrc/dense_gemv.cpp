@@ -3,7 +3,8 @@
 // The sgemm torch ships is tuned for many rows: at M = 1 it reads W at 8-13 GB/s of this
 // machine's ~17 whatever torch's thread count, at M = 2 to 8 at 3.5-8 GB/s (docs/BENCHMARKS.md).
 // Here each output row n is one pass over W[n] for up to kTile rows of x at once (8-wide FMAs,
-// two accumulators per row of x), the rows of W split over torch's threads; more than
+// two accumulators per row of x), the rows of W split over torch's threads in tiles that every
+// group of kTile rows of x visits while the tile is in cache; more than
 // kDenseMaxRows (ops.h) rows of x go to at::linear. Up to that many rows, a row's result does not
 // depend on the other rows of the batch. The dense float32 weights (linear method "none", GGUF F32
 // parts, a dense LM head) take this in the module path and in the fused decode step alike, so the
@@ -18,7 +19,8 @@
 
 namespace {
 
-constexpr int64_t kTile = 4;  // rows of x per pass over W
+constexpr int64_t kTile = 4;  // rows of x per pass over a tile of W
+constexpr int64_t kRowTileBytes = 128 << 10;  // bytes of W per tile
 
 template <int T>
 void rows_of_w(const float* w, const float* x, const float* bias, float* out, int64_t K, int64_t N,
@@ -67,11 +69,19 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const int64_t ldx = x.stride(0);
   // each task a few hundred KB of W: enough to hide the fork / join, small enough to share out
   const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / K);
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-    const int64_t t = std::min(kTile, M - m0);
-    const float* xp = x.data_ptr<float>() + m0 * ldx;
-    float* op = out.data_ptr<float>() + m0 * N;
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kRows[t - 1](wp, xp, bp, op, K, N, ldx, n0, n1); });
-  }
+  // a tile of W's rows (in L2) meets every group of kTile rows of x before the next tile: W is read
+  // from memory once per call whatever M
+  const int64_t rt = std::max<int64_t>(1, kRowTileBytes / (K * (int64_t)sizeof(float)));
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = n0; r0 < n1; r0 += rt) {
+      const int64_t r1 = std::min(n1, r0 + rt);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int64_t t = std::min(kTile, M - m0);
+        kRows[t - 1](wp, xp + m0 * ldx, bp, op + m0 * N, K, N, ldx, r0, r1);
+      }
+    }
+  });
   return out;
 }

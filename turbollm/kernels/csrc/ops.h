@@ -11,9 +11,14 @@
 
 #include <vector>
 
+// Steps where every sequence brings at most this many new tokens are "small-query" steps: their
+// attention runs through paged_decode_attention with query_start_loc (one decode per new token),
+// so that each row's output is the one it has alone (row invariance); longer ones take the tiled
+// paged_attention.
+constexpr int64_t kSmallQueryMax = 8;
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap);
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc);
 void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -38,7 +43,7 @@ bool supported(int64_t qtype);
 bool supported16(int64_t qtype);
 
 torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
-// rows of x up to which dense_linear takes its own kernel (beyond, a pass over W per 4 rows stops
-// paying and at::linear does the product)
-constexpr int64_t kDenseMaxRows = 8;
+// rows of x up to which dense_linear takes its own kernel (beyond, at::linear does the product):
+// the 16 rows of a batch-16 decode, within which a row's result does not depend on the others
+constexpr int64_t kDenseMaxRows = 16;
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

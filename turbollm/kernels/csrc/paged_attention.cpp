@@ -9,6 +9,13 @@
 //
 // The chunking depends only on a sequence's own length, never on the batch, so a sequence's
 // output is the same alone and in any batch.
+//
+// With query_start_loc, a sequence brings several new tokens (at most kSmallQueryMax: a cached
+// prompt's tail, speculative verification) and each is attended as a sequence of its own that ends
+// at its position, sharing the block table: row j of n new tokens sees the first len - (n - 1 - j)
+// positions. Each row is then computed exactly as a one-token decode of that position would be
+// (row invariance: a token's output does not depend on the tokens that came with it), at the cost of
+// reading the cached K/V once per row rather than once per sequence.
 // Reference: turbollm/attention/backend.py attend_decode_batch (tests hold them together).
 #include "ops.h"
 #include <ATen/Parallel.h>
@@ -78,7 +85,8 @@ void attend_chunk(const Task& tk, int64_t n, const T* kp, const T* vp, const int
 template <class T>
 torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                    const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                                    const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                                    const c10::optional<torch::Tensor>& query_start_loc) {
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -88,8 +96,31 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
+  // Query row b reads block-table row tab[b] and attends to its first lp[b] positions.
+  std::vector<int64_t> row_len(B), row_tab(B);
+  const int64_t* sl = lens.data_ptr<int64_t>();
+  if (query_start_loc) {
+    auto qsl = query_start_loc->to(torch::kInt64).contiguous();
+    const int64_t S = qsl.numel() - 1;
+    const int64_t* qs = qsl.data_ptr<int64_t>();
+    TORCH_CHECK(S == lens.numel() && S <= bt.size(0) && qs[0] == 0 && qs[S] == B,
+                "query_start_loc must have one entry per sequence plus one, ending at the number of query rows");
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t n = qs[s + 1] - qs[s];
+      TORCH_CHECK(n >= 1 && n <= kSmallQueryMax && sl[s] >= n, "sequence ", s, ": ", n,
+                  " new tokens (1..", kSmallQueryMax, " and at most its length, ", sl[s], ")");
+      for (int64_t j = 0; j < n; ++j) {
+        row_tab[qs[s] + j] = s;
+        row_len[qs[s] + j] = sl[s] - (n - 1 - j);
+      }
+    }
+  } else {
+    TORCH_CHECK(lens.numel() == B && bt.size(0) >= B, "one sequence length and block-table row per query row");
+    for (int64_t b = 0; b < B; ++b) { row_tab[b] = b; row_len[b] = sl[b]; }
+  }
+  const int64_t* tab = row_tab.data();
+  const int64_t* lp = row_len.data();
   const int64_t* btp = bt.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
@@ -117,7 +148,7 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
     for (int64_t j = begin; j < end; ++j) {
       const int64_t b = task_seq[j], r = j - first[b], h = r / nch[b], c = r % nch[b];
       const int64_t t0 = start[b] + c * kChunk, t1 = std::min(lp[b], t0 + kChunk);
-      const int64_t* table = btp + b * W;
+      const int64_t* table = btp + tab[b] * W;
       off.resize(t1 - t0);  // row offsets, walking the block table (no division per position)
       int64_t blk = t0 / BS, slot = t0 % BS;
       for (int64_t i = 0; i < t1 - t0; ++i) {
@@ -155,7 +186,7 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap) {
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
                   (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
@@ -163,8 +194,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, Hq, D] with contiguous rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   if (k_cache.dtype() == torch::kFloat16)
-    return decode_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
-  return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
+    return decode_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                           query_start_loc);
+  return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                      query_start_loc);
 }
 
 // k, v: [T, Hk, D] (rows may be strided); caches [num_blocks, block_size, Hk, D]; token t goes to
