@@ -213,9 +213,36 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// VNNI (AVX-VNNI, or AVX-512 VNNI with VL) fuses a multiply-add of integer pairs with the int32
+// accumulation: one instruction where AVX2 takes two or three. Integer sums are exact, so the
+// results are the same bits either way (the kernels' maddubs never saturates: |w| <= 128 and
+// |x| <= 127 give pair sums <= 32512).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TQ_VNNI 1
+static inline __m256i vnni_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+static inline __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif defined(__AVXVNNI__)
+#define TQ_VNNI 1
+static inline __m256i vnni_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+static inline __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#endif
+
+// acc + madd_epi16(a, b): int32 lanes += a[2i] b[2i] + a[2i+1] b[2i+1].
+static inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#ifdef TQ_VNNI
+  return vnni_dpwssd(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // Sum of u8 x s8 products in groups of 4 -> 8 int32 lanes (lanes 0-3: bytes 0-15, 4-7: 16-31).
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef TQ_VNNI
+  return vnni_dpbusd(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // 16-bit activations (QAct::q16): a block's 32 codes widened to int16 (w0: the first 16, w1: the
@@ -230,7 +257,7 @@ static inline void widen16(__m256i q, __m256i& w0, __m256i& w1) {
 
 static inline __m256i dot_x16(__m256i w0, __m256i w1, const int16_t* x) {
   const __m256i* v = reinterpret_cast<const __m256i*>(x);
-  return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(v)), _mm256_madd_epi16(w1, _mm256_loadu_si256(v + 1)));
+  return madd_add(_mm256_madd_epi16(w0, _mm256_loadu_si256(v)), w1, _mm256_loadu_si256(v + 1));
 }
 
 // 32 4-bit values from 16 bytes: low nibbles are elements 0..15, high nibbles 16..31.

@@ -87,7 +87,7 @@ static inline void klow_block(__m256i v, __m256i hb, __m256i sc8, const int8_t* 
   const __m256i sp = scale_pair<P>(sc8);
   for (int t = 0; t < T; ++t) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + xoff + 128 * R + 32 * P));
-    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sp));
+    isum[t] = madd_add(isum[t], _mm256_maddubs_epi16(q, x), sp);
   }
 }
 

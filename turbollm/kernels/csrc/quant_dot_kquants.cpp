@@ -94,9 +94,7 @@ static inline void k45_run(const uint8_t* qs, __m256i hb, __m256i scv, const int
     const int8_t* x = xq[t] + xoff + 64 * R;
     const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), slo);
-    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), shi);
-    isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(pl, ph));
+    isum[t] = madd_add(madd_add(isum[t], _mm256_maddubs_epi16(lo, xl), slo), _mm256_maddubs_epi16(hi, xh), shi);
   }
 }
 
@@ -167,7 +165,7 @@ static inline void q6_block(__m256i q, __m256i scv, const int8_t* const* xq, int
   const __m256i sp = q6_scale_pair<P>(scv);
   for (int t = 0; t < T; ++t) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + xoff + 32 * P));
-    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sp));
+    isum[t] = madd_add(isum[t], _mm256_maddubs_epi16(q, x), sp);
   }
 }
 
