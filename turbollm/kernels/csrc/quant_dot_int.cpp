@@ -257,6 +257,10 @@ void register_group(TypeKernels& k) {
   k.dot[2] = dot_group<C, 3, false>; k.dot[3] = dot_group<C, 4, false>;
   k.dot16[0] = dot_group<C, 1, true>; k.dot16[1] = dot_group<C, 2, true>;
   k.dot16[2] = dot_group<C, 3, true>; k.dot16[3] = dot_group<C, 4, true>;
+  k.dot[4] = dot_group<C, 5, false>; k.dot[5] = dot_group<C, 6, false>;
+  k.dot[6] = dot_group<C, 7, false>; k.dot[7] = dot_group<C, 8, false>;
+  k.dot16[4] = dot_group<C, 5, true>; k.dot16[5] = dot_group<C, 6, true>;
+  k.dot16[6] = dot_group<C, 7, true>; k.dot16[7] = dot_group<C, 8, true>;
 #else
   k.dot[0] = dot_via_deq<deq_group<C>, 1>; k.dot[1] = dot_via_deq<deq_group<C>, 2>;
   k.dot[2] = dot_via_deq<deq_group<C>, 3>; k.dot[3] = dot_via_deq<deq_group<C>, 4>;
@@ -273,6 +277,10 @@ void register_intq(TypeKernels* table) {
   i8.dot[3] = dot_int8<4, false>;
   i8.dot16[0] = dot_int8<1, true>; i8.dot16[1] = dot_int8<2, true>; i8.dot16[2] = dot_int8<3, true>;
   i8.dot16[3] = dot_int8<4, true>;
+  i8.dot[4] = dot_int8<5, false>; i8.dot[5] = dot_int8<6, false>; i8.dot[6] = dot_int8<7, false>;
+  i8.dot[7] = dot_int8<8, false>;
+  i8.dot16[4] = dot_int8<5, true>; i8.dot16[5] = dot_int8<6, true>; i8.dot16[6] = dot_int8<7, true>;
+  i8.dot16[7] = dot_int8<8, true>;
 #else
   i8.dot[0] = dot_via_deq<deq_int8, 1>; i8.dot[1] = dot_via_deq<deq_int8, 2>;
   i8.dot[2] = dot_via_deq<deq_int8, 3>; i8.dot[3] = dot_via_deq<deq_int8, 4>;

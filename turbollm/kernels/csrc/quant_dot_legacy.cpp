@@ -216,6 +216,10 @@ void dot_legacy(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out
     (k).dot[2] = dot_legacy<__VA_ARGS__, 3>; (k).dot[3] = dot_legacy<__VA_ARGS__, 4>;                   \
     (k).dot16[0] = dot_legacy<__VA_ARGS__, 1, true>; (k).dot16[1] = dot_legacy<__VA_ARGS__, 2, true>;   \
     (k).dot16[2] = dot_legacy<__VA_ARGS__, 3, true>; (k).dot16[3] = dot_legacy<__VA_ARGS__, 4, true>;   \
+    (k).dot[4] = dot_legacy<__VA_ARGS__, 5>; (k).dot[5] = dot_legacy<__VA_ARGS__, 6>;                   \
+    (k).dot[6] = dot_legacy<__VA_ARGS__, 7>; (k).dot[7] = dot_legacy<__VA_ARGS__, 8>;                   \
+    (k).dot16[4] = dot_legacy<__VA_ARGS__, 5, true>; (k).dot16[5] = dot_legacy<__VA_ARGS__, 6, true>;   \
+    (k).dot16[6] = dot_legacy<__VA_ARGS__, 7, true>; (k).dot16[7] = dot_legacy<__VA_ARGS__, 8, true>;   \
   } while (0)
 
 void fill_dots(TypeKernels* table) {
