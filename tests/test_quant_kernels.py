@@ -4,7 +4,9 @@
   in float64) to ~1e-5 relative (summation order only), and the exact fp32 product to 2e-2 of
   its largest magnitude (the error of 8-bit activations over random data is ~5e-3); q8x2 (two
   int8 levels) the same reference with levels=2 and the exact product to 3e-4; q16 (one 16-bit
-  level, the 32-block types) likewise with levels=16, and q8x2's output for the other types.
+  level: blocks of 32 for the 32-block types, of 256 for Q4_K / Q5_K / Q6_K) likewise with
+  levels=16, and q8x2's output for the other types (Q2_K, Q3_K); the k-quants' q16 int32 sums do
+  not overflow on the largest codes, scales and activations.
 - dequant path: the fp32 product up to sgemm rounding; ``ggml_dequantize`` and
   ``ggml_embedding`` bit-exact with the ``formats.ggml_types`` decoders.
 - without the compiled module every function returns its reference.
@@ -45,7 +47,7 @@ def check_q8(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor, qtype: int, lev
 
 
 @needs_kernels
-@pytest.mark.parametrize(("block", "levels"), [(32, 1), (32, 2), (32, 16), (256, 1), (256, 2)])
+@pytest.mark.parametrize(("block", "levels"), [(32, 1), (32, 2), (32, 16), (256, 1), (256, 2), (256, 16)])
 def test_activation_quantization_is_bit_exact(block, levels):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 512, generator=gen) * torch.logspace(-3, 3, 5)[:, None]
@@ -195,15 +197,39 @@ def test_auto_and_fast_thresholds():
     n, k = 20, 256
     w = random_weight(T.Q6_K, n, k, gen)
     w8 = random_weight(T.Q8_0, n, k, gen)
-    assert Q.kernel_supported16(T.Q8_0) and not Q.kernel_supported16(T.Q6_K)
+    w2 = random_weight(T.Q2_K, n, k, gen)
+    assert Q.kernel_supported16(T.Q8_0) and Q.kernel_supported16(T.Q6_K) and not Q.kernel_supported16(T.Q2_K)
     for path, small, limit in (("auto", "q16", Q.Q8X2_MAX_TOKENS), ("fast", "q8", Q.Q8_MAX_TOKENS)):
         for m, expect in ((1, small), (limit, small), (limit + 1, "dequant")):
             x = torch.randn(m, k, generator=gen)
-            assert torch.equal(Q.ggml_linear(x, w, T.Q6_K, k, path=path), Q.ggml_linear(x, w, T.Q6_K, k, path=expect))
-            assert torch.equal(Q.ggml_linear(x, w8, T.Q8_0, k, path=path), Q.ggml_linear(x, w8, T.Q8_0, k, path=expect))
-    x = torch.randn(1, k, generator=gen)  # q16 is its own path for Q8_0, q8x2 for Q6_K
+            for wt, qt in ((w, T.Q6_K), (w8, T.Q8_0), (w2, T.Q2_K)):
+                assert torch.equal(Q.ggml_linear(x, wt, qt, k, path=path), Q.ggml_linear(x, wt, qt, k, path=expect))
+    x = torch.randn(1, k, generator=gen)  # q16 is its own path for Q8_0 and Q6_K, q8x2 for Q2_K
     assert not torch.equal(Q.ggml_linear(x, w8, T.Q8_0, k, path="q16"), Q.ggml_linear(x, w8, T.Q8_0, k, path="q8x2"))
-    assert torch.equal(Q.ggml_linear(x, w, T.Q6_K, k, path="q16"), Q.ggml_linear(x, w, T.Q6_K, k, path="q8x2"))
+    assert not torch.equal(Q.ggml_linear(x, w, T.Q6_K, k, path="q16"), Q.ggml_linear(x, w, T.Q6_K, k, path="q8x2"))
+    assert torch.equal(Q.ggml_linear(x, w2, T.Q2_K, k, path="q16"), Q.ggml_linear(x, w2, T.Q2_K, k, path="q8x2"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_q16_sums_do_not_overflow(qtype):
+    """The largest |scale x code| of each k-quant (Q4_K 63 * 15, Q5_K 63 * 31, Q6_K -128 * -32) against
+    activations all at +-32767 (one sign per row): the int32 lane sums reach ~2^31 and must stay exact."""
+    n, k = 2, 512
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    blocks = torch.zeros(n * k // bs, ts, dtype=torch.uint8)
+    one = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # float16 1.0
+    if qtype == T.Q6_K:  # ql = qh = 0: q - 32 = -32; scales -128; d = 1
+        blocks[:, 192:208] = 0x80
+        blocks[:, 208:210] = one
+    else:  # d = 1, dmin = 1, every 6-bit scale and min 63, every code at its maximum
+        blocks[:, 0:2] = one
+        blocks[:, 2:4] = one
+        blocks[:, 4:] = 0xFF
+    w = blocks.reshape(n, -1)
+    wd = dequantize(w, qtype, (n, k))
+    x = torch.stack([torch.ones(k), -torch.ones(k)])
+    check_q8(Q.ggml_linear(x, w, qtype, k, path="q16"), x, wd, qtype, levels=16)
 
 
 @needs_kernels

@@ -26,10 +26,13 @@ Four kernel paths compute a product:
 - ``q8x2``: as q8 with a second int8 level, the residual x - d q quantized again (x ~ d1 q1 +
   d2 q2, ~15 bits: the activation error shrinks ~100x); both levels go through the kernels as
   two "tokens" of one call, so the weights are still read once (costs ~1.5x q8's arithmetic).
-- ``q16``: one 16-bit level (d = amax / 32767 per block of 32; the error of q8x2) multiplied with
-  ``madd_epi16``, for the types with such kernels (``kernel_supported16``: the 32-blocks Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0); the others take q8x2. Q8_0 weights run at q8's speed this way (the
-  gemma3-270m / qwen2.5-coder-0.5b output matrices: 7.3 vs 8.7 and 5.8 vs 9.2 ms per token).
+- ``q16``: one 16-bit level (d = amax / 32767 per block of 32, or of 256 for the k-quants as q8's;
+  the error of q8x2) multiplied with ``madd_epi16`` (VNNI's dpwssd where the CPU has it), for the
+  types with such kernels (``kernel_supported16``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+  and the int8 / int4 / int3 layouts); Q2_K and Q3_K take q8x2. Q8_0 weights run at q8's speed this
+  way (the gemma3-270m / qwen2.5-coder-0.5b output matrices: 7.3 vs 8.7 and 5.8 vs 9.2 ms per token);
+  the k-quants' integer work per token is half q8x2's (each sub-block's codes are widened to int16
+  and scaled once per call, then one multiply-add per 16 values and token).
 - ``dequant``: rows of W are decoded to fp32 in chunks and multiplied with torch's sgemm: exact
   fp32 math, the faster path for many tokens (prefill).
 The default, ``auto``, takes q16 (q8x2 for types without 16-bit kernels) up to

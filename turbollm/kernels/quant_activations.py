@@ -20,16 +20,16 @@ def quantize_activations_ref(x: torch.Tensor, block: int = 32, levels: int = 1) 
     per half block; for block 256 (the k-quants): ``bs16`` int16 ``[R, K/16]``, the integer
     sums of each 16 q. R = M, or 2M with ``levels=2``: rows 2m quantize x and rows 2m + 1 the
     residual x - d q of each block, so that x ~ d1 q1 + d2 q2 (the "q8x2" path).
-    ``levels=16`` (block 32; the "q16" path): ``q`` int16 with d = amax / 32767, then d, s32, s16.
+    ``levels=16`` (the "q16" path): ``q`` int16 with d = amax / 32767 per block, then d, and s32 / s16
+    = d * sum(q) of each 32 / 16 values whatever the block (32, or 256 for the k-quants).
     """
     m, k = x.shape
     x = x.float()
     if levels == 16:
-        if block != 32:
-            raise ValueError("16-bit activations come in blocks of 32")
         q, d = _quantize_blocks(x, block, 32767.0)
         half = q.view(m, k // 16, 16).sum(dim=-1).view(m, k // 32, 2)
-        return (q.to(torch.int16), d, d * half.sum(dim=-1).float(), (d[..., None] * half.float()).reshape(m, k // 16))
+        d32 = d.repeat_interleave(block // 32, dim=1)  # each 32 values' block scale
+        return (q.to(torch.int16), d, d32 * half.sum(dim=-1).float(), (d32[..., None] * half.float()).reshape(m, k // 16))
     q, d = _quantize_blocks(x, block)
     if levels == 2:
         xq = (q.view(m, k // block, block).float() * d[..., None]).reshape(m, k)

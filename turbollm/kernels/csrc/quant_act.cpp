@@ -128,24 +128,26 @@ void quantize_rows(const float* x, int64_t K, int64_t block, int64_t m0, int64_t
   (void)quantize_scalar;
 }
 
-void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, const QActBuf& out) {
+void quantize_rows16(const float* x, int64_t K, int64_t block, int64_t m0, int64_t m1, const QActBuf& out) {
   for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* xb = x + m * K + b * 32;
-      const float d = amax_of(xb, 32) / 32767.f;
+    for (int64_t b = 0; b < K / block; ++b) {
+      const float* xb = x + m * K + b * block;
+      const float d = amax_of(xb, (int)block) / 32767.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
-      int16_t* q = out.q16 + m * K + b * 32;
-      int sums[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const int v = (int)std::nearbyint(xb[i] * id);  // ties to even
-        q[i] = (int16_t)v;
-        sums[i / 16] += v;
+      int16_t* q = out.q16 + m * K + b * block;
+      out.d[m * (K / block) + b] = d;
+      for (int64_t c = 0; c < block / 32; ++c) {  // the sums of each 32 and each 16 (times d)
+        int sums[2] = {0, 0};
+        for (int i = 0; i < 32; ++i) {
+          const int v = (int)std::nearbyint(xb[32 * c + i] * id);  // ties to even
+          q[32 * c + i] = (int16_t)v;
+          sums[i / 16] += v;
+        }
+        const int64_t b32 = m * (K / 32) + b * (block / 32) + c;
+        out.s32[b32] = d * (float)(sums[0] + sums[1]);
+        out.s16[2 * b32] = d * (float)sums[0];
+        out.s16[2 * b32 + 1] = d * (float)sums[1];
       }
-      const int64_t db = m * (K / 32) + b, h = m * (K / 16) + 2 * b;
-      out.d[db] = d;
-      out.s32[db] = d * (float)(sums[0] + sums[1]);
-      out.s16[h] = d * (float)sums[0];
-      out.s16[h + 1] = d * (float)sums[1];
     }
   }
 }

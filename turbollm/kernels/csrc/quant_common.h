@@ -28,7 +28,7 @@ constexpr int kMaxT = 8;  // most tokens per micro-kernel call (types fill dot[0
 // The quantized activations of M rows; row m of each array starts at m * (K / width).
 struct QAct {
   const int8_t* q = nullptr;      // [M, K]
-  const int16_t* q16 = nullptr;   // 16-bit activations ("q16", block 32 only): [M, K] instead of q
+  const int16_t* q16 = nullptr;   // 16-bit activations ("q16"): [M, K] instead of q (s32, s16 always)
   const float* d = nullptr;       // [M, K / block]
   const float* s32 = nullptr;     // block 32: [M, K / 32]
   const float* s16 = nullptr;     // block 32: [M, K / 16]
@@ -103,6 +103,7 @@ const TypeKernels* find_kernels(int qtype);
 void register_legacy(TypeKernels* table);   // quant_dot_legacy.cpp (Q4_0..Q8_0)
 void register_kquants(TypeKernels* table);  // quant_dot_kquants.cpp (Q4_K, Q5_K, Q6_K)
 void register_kquants_low(TypeKernels* table);  // quant_dot_klow.cpp (Q2_K, Q3_K)
+void register_kquants16(TypeKernels* table);  // quant_dot_kquants16.cpp (Q4_K, Q5_K, Q6_K with 16-bit activations)
 void register_intq(TypeKernels* table);     // quant_dot_int.cpp (int8 per-channel, int4 / int3 group-wise)
 int table_index(int qtype);                 // slot of qtype in the table, or -1
 constexpr int kTableSize = 13;
@@ -112,13 +113,14 @@ constexpr int kTableSize = 13;
 // dequantized values, quantized with its own scales), so that x ~ d1 q1 + d2 q2.
 void quantize_rows(const float* x, int64_t K, int64_t block, int64_t m0, int64_t m1, const QActBuf& out,
                    bool residual);
-// 16-bit activations in blocks of 32: d = amax / 32767, q16 = round_half_even(x * (1 / d)),
-// s32 / s16 as for 8 bits (d * the integer sums). One level, ~the precision of the two 8-bit ones.
-void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, const QActBuf& out);
+// 16-bit activations in blocks of `block` (32, or 256 for the k-quants): d = amax / 32767,
+// q16 = round_half_even(x * (1 / d)), s32 / s16 = d * the integer sums of each 32 / 16 values
+// (whatever the block). One level, ~the precision of the two 8-bit ones.
+void quantize_rows16(const float* x, int64_t K, int64_t block, int64_t m0, int64_t m1, const QActBuf& out);
 
 // quant_gemm.cpp: the threaded drivers (at::parallel_for over output rows).
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out, bool residual);
-void quantize_activations16(const float* x, int64_t M, int64_t K, const QActBuf& out);
+void quantize_activations16(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out);
 // out [M, N]; 16-bit activations (a.q16) take the type's dot16 kernels
 void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out);
 void dequant_rows(const TypeKernels& k, const WView& w, int64_t n0, int64_t n1, float* out);  // [n1 - n0, K]

@@ -37,6 +37,7 @@ const TypeKernels* find_kernels(int qtype) {
     register_legacy(t);
     register_kquants(t);
     register_kquants_low(t);
+    register_kquants16(t);
     register_intq(t);
     return t;
   }();
@@ -85,13 +86,13 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t block, c
   });
 }
 
-void quantize_activations16(const float* x, int64_t M, int64_t K, const QActBuf& out) {
+void quantize_activations16(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out) {
   if (M * K < (1 << 16)) {
-    quantize_rows16(x, K, 0, M, out);
+    quantize_rows16(x, K, block, 0, M, out);
     return;
   }
   at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t m0, int64_t m1) {
-    quantize_rows16(x, K, m0, m1, out);
+    quantize_rows16(x, K, block, m0, m1, out);
   });
 }
 

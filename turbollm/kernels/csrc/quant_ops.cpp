@@ -85,7 +85,7 @@ void even_odd_order(V* v, int64_t count) {
 
 // The quantized activations, in buffers owned by the calling thread and reused between calls.
 // With levels = 2 each row of x becomes two rows (x and its residual, quant_common.h); with
-// levels = 16 they are 16-bit (q16 instead of q, block 32).
+// levels = 16 they are 16-bit (q16 instead of q, with s32 and s16 whatever the block).
 struct ActScratch {
   std::vector<int8_t> q;
   std::vector<int16_t> q16;
@@ -105,7 +105,7 @@ struct ActScratch {
     }
     grow(d, R * K / block);
     buf.d = d.data();
-    if (block == 32) {
+    if (block == 32 || x16) {
       grow(s32, R * K / 32);
       grow(s16, R * K / 16);
       buf.s32 = s32.data();
@@ -114,7 +114,7 @@ struct ActScratch {
       grow(bs16, R * K / 16);
       buf.bs16 = bs16.data();
     }
-    if (x16) tq::quantize_activations16(x, M, K, buf);
+    if (x16) tq::quantize_activations16(x, M, K, block, buf);
     else tq::quantize_activations(x, M, K, block, buf, levels == 2);
     if (even_odd) {
       if (x16) even_odd_order(buf.q16, R * K);
@@ -134,21 +134,20 @@ thread_local ActScratch act_scratch;
 // x [M, K] -> block 32: (q int8 [R, K], d, s32 [R, K/32], s16 [R, K/16]);
 //             block 256: (q, d [R, K/256], bs16 int16 [R, K/16]);
 // R = M rows, or 2M with levels = 2 (rows 2m: x, 2m + 1: its residual).
-// levels = 16: 16-bit activations, block 32 only -> (q int16 [M, K], d, s32, s16).
+// levels = 16: 16-bit activations -> (q int16 [M, K], d [M, K/block], s32 [M, K/32], s16 [M, K/16]).
 std::vector<torch::Tensor> quantize_act(torch::Tensor x, int64_t block, int64_t levels) {
   TORCH_CHECK(block == 32 || block == 256, "block must be 32 or 256");
-  TORCH_CHECK(levels == 1 || levels == 2 || (levels == 16 && block == 32),
-              "levels must be 1 or 2 (or 16 with block 32)");
+  TORCH_CHECK(levels == 1 || levels == 2 || levels == 16, "levels must be 1, 2 or 16");
   if (levels == 16) {
-    TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K a multiple of 32");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0, "x must be [M, K] with K a multiple of ", block);
     x = check_x(x, x.size(1));
     const int64_t M = x.size(0), K = x.size(1);
     auto q = torch::empty({M, K}, torch::kInt16);
-    auto d = torch::empty({M, K / 32}), s32 = torch::empty({M, K / 32}), s16 = torch::empty({M, K / 16});
+    auto d = torch::empty({M, K / block}), s32 = torch::empty({M, K / 32}), s16 = torch::empty({M, K / 16});
     tq::QActBuf buf;
     buf.q16 = q.data_ptr<int16_t>(); buf.d = d.data_ptr<float>();
     buf.s32 = s32.data_ptr<float>(); buf.s16 = s16.data_ptr<float>();
-    tq::quantize_activations16(x.data_ptr<float>(), M, K, buf);
+    tq::quantize_activations16(x.data_ptr<float>(), M, K, block, buf);
     return {q, d, s32, s16};
   }
   TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0, "x must be [M, K] with K a multiple of ", block);
@@ -187,9 +186,7 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = make_out(out, M, N);
   if (M == 0 || N == 0) return y;
-  // 16-bit activations come in blocks of 32, which every type with dot16 kernels reads
-  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, levels == 16 ? 32 : k.act_block, levels,
-                                                   k.act_even_odd);
+  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels, k.act_even_odd);
   if (levels != 2) {
     tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
     return y;
