@@ -6,6 +6,9 @@ speculative verification), against a 1-token step.
 A 256-token random prompt is computed once (its 16 blocks stay in the prefix cache); then requests
 of that prompt + k fresh tokens each take one engine step that computes exactly the k tokens
 (fused when the step allows it). Median of 7 per k; GGUF default weights, float16 K/V, 2 threads.
+Per k it prints the bytes the step reads (the weights once, plus each new token's K/V reads: the
+step attends one decode per token) and the GOP/s of its matmuls (2 x decoder linear params x k,
+plus the LM head's one sampled row).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from turbollm import SamplingParams
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.benchmarks.physics import physics_of_turbollm
 
 
 def main() -> None:
@@ -46,12 +50,17 @@ def main() -> None:
             times = run(prompt + torch.randint(1000, 20000, (k,), generator=g).tolist())
             assert len(times) == 1, "the k tokens did not run in one step"
             res.setdefault(k, []).append((times[0], (runner.fused.steps if runner.fused is not None else 0) - before))
-    print(f"{model}, qmatmul {qmatmul or 'auto'}, 256 cached tokens, 2 threads")
+    kv_item = eng.executor.worker.runner.kv_caches[0].k.element_size()
+    phys = physics_of_turbollm(eng.footprint, eng.config, kv_item)
+    print(f"{model}, qmatmul {qmatmul or 'auto'}, 256 cached tokens, 2 threads, "
+          f"{phys.step_weight_bytes / 1e6:.0f} MB of weights per step")
     base = sorted(t for t, _ in res[1])[3]
     for k, v in res.items():
         med = sorted(t for t, _ in v)[3]
+        read = phys.step_weight_bytes + sum(phys.kv_bytes_read(256 + j + 1) for j in range(k))
         print(f"  k={k}: median step {med * 1e3:.2f} ms = {med / base:.2f}x the 1-token step "
-              f"({'fused' if v[0][1] else 'modules'})")
+              f"({'fused' if v[0][1] else 'modules'}); reads {read / 1e6:.0f} MB ({read / med / 1e9:.1f} GB/s), "
+              f"{phys.flops(k, 1) / med / 1e9:.1f} GOP/s")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ struct TypeKernels {
   // ones (linear_q8 reorders the quantized activations so): types whose packing interleaves the
   // two (int4: the even column in the low nibble) then need no unpacking shuffles.
   bool act_even_odd = false;
+  // The same for the 16-bit activations alone (the k-quants' dot16 kernels: their int8 ones keep
+  // the column order).
+  bool act16_even_odd = false;
   DeqFn deq = nullptr;
   // Tokens per call of the dot (sixteen = false) or dot16 kernels: the count of filled slots.
   int tokens(bool sixteen) const {

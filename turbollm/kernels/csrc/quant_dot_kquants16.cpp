@@ -2,8 +2,8 @@
 // s32 = dx * the integer sum of each 32 values; quant_act.cpp).
 //
 // Each call widens a super-block's codes to int16 once and multiplies them by their sub-block's
-// integer scale (Q4_K / Q5_K: sc_j q, |.| <= 63 * 31 = 1953; Q6_K: sc_j (q - 32), |.| <= 128 * 32 =
-// 4096); every token of the call then meets them in madd_add (one VNNI dpwssd per 16 values where
+// integer scale (Q4_K / Q5_K: sc_j q, |.| <= 63 * 31 = 1953, one maddubs per 16 codes; Q6_K:
+// sc_j (q - 32), |.| <= 128 * 32 = 4096); every token of the call then meets them in madd_add (one VNNI dpwssd per 16 values where
 // the CPU has it), so
 //   Q4_K / Q5_K: w . x = d dx sum_j (sc_j q_j) . qx_j  -  dmin sum_j m_j s32_j
 //   Q6_K:        w . x = d dx sum_j (sc_j (q_j - 32)) . qx_j
@@ -27,24 +27,27 @@ static inline void widen_scaled(__m256i q, __m256i off, __m256i s0, __m256i s1, 
 static inline __m256i load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Sub-blocks 2R and 2R + 1 of a Q4_K / Q5_K super-block (the low and high nibbles of qs[32R..]).
+// maddubs with the byte pattern (sc, 0, sc, 0, ...) -- a sub-block scale as int16 -- gives the even
+// codes times sc as 16 int16, with (0, sc, ...) the odd ones: the widening and the scaling in one
+// instruction, no lane crossing; the activations come in the same order (act16_even_odd: each 32 as
+// its 16 even-indexed values, then its 16 odd ones).
 template <bool Q5, int T, int R>
 static inline void k45_run16(const uint8_t* qs, __m256i hb, __m256i scv, const int16_t* const* xq,
                              int64_t xoff, __m256i* isum) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * R));
   __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
   if constexpr (Q5) {
     lo = _mm256_or_si256(lo, bit_to_0x10<2 * R>(hb));
     hi = _mm256_or_si256(hi, bit_to_0x10<2 * R + 1>(hb));
   }
-  __m256i l0, l1, h0, h1;
-  const __m256i slo = bcast_i16<2 * R>(scv), shi = bcast_i16<2 * R + 1>(scv);
-  widen_scaled(lo, zero, slo, slo, l0, l1);
-  widen_scaled(hi, zero, shi, shi, h0, h1);
+  const __m256i slo = bcast_i16<2 * R>(scv), shi = bcast_i16<2 * R + 1>(scv);  // bytes (sc, 0, sc, 0, ...)
+  const __m256i le = _mm256_maddubs_epi16(lo, slo), lo_odd = _mm256_maddubs_epi16(lo, _mm256_slli_epi16(slo, 8));
+  const __m256i he = _mm256_maddubs_epi16(hi, shi), hi_odd = _mm256_maddubs_epi16(hi, _mm256_slli_epi16(shi, 8));
   for (int t = 0; t < T; ++t) {
     const int16_t* x = xq[t] + xoff + 64 * R;
-    isum[t] = madd_add(madd_add(isum[t], l0, load16(x)), l1, load16(x + 16));
-    isum[t] = madd_add(madd_add(isum[t], h0, load16(x + 32)), h1, load16(x + 48));
+    isum[t] = madd_add(madd_add(isum[t], le, load16(x)), lo_odd, load16(x + 16));
+    isum[t] = madd_add(madd_add(isum[t], he, load16(x + 32)), hi_odd, load16(x + 48));
   }
 }
 
@@ -147,6 +150,7 @@ void register_kquants16(TypeKernels* table) {
 #ifdef __AVX2__
   TQ_FILL16(table[table_index(kQ4_K)], dot_q4_k_16);
   TQ_FILL16(table[table_index(kQ5_K)], dot_q5_k_16);
+  table[table_index(kQ4_K)].act16_even_odd = table[table_index(kQ5_K)].act16_even_odd = true;
   TQ_FILL16(table[table_index(kQ6_K)], dot_q6_k_16);
 #else
   (void)table;

@@ -186,7 +186,8 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = make_out(out, M, N);
   if (M == 0 || N == 0) return y;
-  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels, k.act_even_odd);
+  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels,
+                                          levels == 16 ? k.act_even_odd || k.act16_even_odd : k.act_even_odd);
   if (levels != 2) {
     tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
     return y;
