@@ -36,5 +36,38 @@ static inline __m256i bcast_i16(__m256i v) {
                                                  a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b));
 }
 
+// The header of a Q4_K / Q5_K super-block, decoded once for either dot kernel (int8 or 16-bit
+// activations), and the codes of its sub-blocks 2R (lo) and 2R + 1 (hi).
+template <bool Q5>
+struct K45Block {
+  static constexpr int kBytes = Q5 ? 176 : 144;
+  __m128i scm;  // bytes: 8 scales | 8 mins
+  __m256i scv;  // the 8 scales as int16, in both lanes
+  float d, dmin;
+  const uint8_t* qs;  // the 4-bit codes
+  __m256i hb;         // Q5_K's fifth bits (zero for Q4_K)
+  explicit K45Block(const uint8_t* blk) {
+    prefetch_ahead(blk, Q5 ? 3 : 2);
+    scm = k4_scales_mins(blk + 4);
+    scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)load_u32(blk)));  // d, dmin
+    d = _mm_cvtss_f32(dd);
+    dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+    qs = blk + (Q5 ? 48 : 16);
+    hb = Q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+  }
+  template <int R>
+  inline void codes(__m256i& lo, __m256i& hi) const {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * R));
+    lo = _mm256_and_si256(v, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if constexpr (Q5) {
+      lo = _mm256_or_si256(lo, bit_to_0x10<2 * R>(hb));
+      hi = _mm256_or_si256(hi, bit_to_0x10<2 * R + 1>(hb));
+    }
+  }
+};
+
 #endif
 }  // namespace tq

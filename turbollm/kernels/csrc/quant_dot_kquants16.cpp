@@ -32,16 +32,10 @@ static inline __m256i load16(const int16_t* p) { return _mm256_loadu_si256(reint
 // instruction, no lane crossing; the activations come in the same order (act16_even_odd: each 32 as
 // its 16 even-indexed values, then its 16 odd ones).
 template <bool Q5, int T, int R>
-static inline void k45_run16(const uint8_t* qs, __m256i hb, __m256i scv, const int16_t* const* xq,
-                             int64_t xoff, __m256i* isum) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * R));
-  __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-  if constexpr (Q5) {
-    lo = _mm256_or_si256(lo, bit_to_0x10<2 * R>(hb));
-    hi = _mm256_or_si256(hi, bit_to_0x10<2 * R + 1>(hb));
-  }
-  const __m256i slo = bcast_i16<2 * R>(scv), shi = bcast_i16<2 * R + 1>(scv);  // bytes (sc, 0, sc, 0, ...)
+static inline void k45_run16(const K45Block<Q5>& k, const int16_t* const* xq, int64_t xoff, __m256i* isum) {
+  __m256i lo, hi;
+  k.template codes<R>(lo, hi);
+  const __m256i slo = bcast_i16<2 * R>(k.scv), shi = bcast_i16<2 * R + 1>(k.scv);  // bytes (sc, 0, sc, 0, ...)
   const __m256i le = _mm256_maddubs_epi16(lo, slo), lo_odd = _mm256_maddubs_epi16(lo, _mm256_slli_epi16(slo, 8));
   const __m256i he = _mm256_maddubs_epi16(hi, shi), hi_odd = _mm256_maddubs_epi16(hi, _mm256_slli_epi16(shi, 8));
   for (int t = 0; t < T; ++t) {
@@ -53,33 +47,25 @@ static inline void k45_run16(const uint8_t* qs, __m256i hb, __m256i scv, const i
 
 template <bool Q5, int T>
 void dot_k45_16(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride) {
-  constexpr int kBytes = Q5 ? 176 : 144;
   const uint8_t* row = w.row(n);
   const int16_t* xq[T];
   const float *xd[T], *xs[T];
   Acc<T> acc;
   for (int t = 0; t < T; ++t) { xq[t] = a.q16row(m0 + t); xd[t] = a.drow(m0 + t); xs[t] = a.s32row(m0 + t); }
   for (int64_t sb = 0; sb < w.K / 256; ++sb) {
-    const uint8_t* blk = row + sb * kBytes;
-    prefetch_ahead(blk, Q5 ? 3 : 2);
-    const __m128i scm = k4_scales_mins(blk + 4);  // 8 scales | 8 mins
-    const __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));  // sc_0..7 in both lanes
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8)));
-    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)load_u32(blk)));  // d, dmin
-    const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+    const K45Block<Q5> k(row + sb * K45Block<Q5>::kBytes);
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(k.scm, 8)));
     __m256i isum[T];
     for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
-    const uint8_t* qs = blk + (Q5 ? 48 : 16);
-    const __m256i hb = Q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
     const int64_t xoff = sb * 256;
-    k45_run16<Q5, T, 0>(qs, hb, scv, xq, xoff, isum);
-    k45_run16<Q5, T, 1>(qs, hb, scv, xq, xoff, isum);
-    k45_run16<Q5, T, 2>(qs, hb, scv, xq, xoff, isum);
-    k45_run16<Q5, T, 3>(qs, hb, scv, xq, xoff, isum);
+    k45_run16<Q5, T, 0>(k, xq, xoff, isum);
+    k45_run16<Q5, T, 1>(k, xq, xoff, isum);
+    k45_run16<Q5, T, 2>(k, xq, xoff, isum);
+    k45_run16<Q5, T, 3>(k, xq, xoff, isum);
     for (int t = 0; t < T; ++t) {
-      acc.at(t, 0) = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(d * xd[t][sb]), acc.at(t, 0));
+      acc.at(t, 0) = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(k.d * xd[t][sb]), acc.at(t, 0));
       const __m256 m = _mm256_mul_ps(mins, _mm256_loadu_ps(xs[t] + sb * 8));
-      acc.at(t, 1) = _mm256_fnmadd_ps(m, _mm256_set1_ps(dmin), acc.at(t, 1));
+      acc.at(t, 1) = _mm256_fnmadd_ps(m, _mm256_set1_ps(k.dmin), acc.at(t, 1));
     }
   }
   for (int t = 0; t < T; ++t) out[t * ostride] = acc.sum(t);
