@@ -209,7 +209,9 @@ def test_kl_against_perturbed_copy_matches_direct(tiny, perturbed):
     # candidates paired against each other: perturbed vs the reference's own copy is the row against the reference
     d, _ = paired_difference(both[1]["batch_nll"], both[0]["batch_nll"], both[1]["batch_tokens"])
     k, _ = paired_difference(both[1]["batch_kl"], both[0]["batch_kl"], both[1]["batch_tokens"])
-    assert d == pytest.approx(got["ln_ppl_ratio"], rel=1e-6) and k == pytest.approx(got["kld_mean"], rel=1e-4)
+    # `got` ran 2 windows per pass (32 rows: at::linear), `both` 1 (16 rows: dense_linear's own kernel, which
+    # serves up to 16 rows): the two products round differently, ~2e-7 nats per token here
+    assert d == pytest.approx(got["ln_ppl_ratio"], rel=1e-6, abs=1e-6) and k == pytest.approx(got["kld_mean"], rel=1e-4)
 
 
 def test_paired_difference_by_hand():

@@ -5,8 +5,8 @@ the same bits: greedy tokens and every logprob equal, at batch 1 and batched, fo
 case it takes (GGUF types with kernels, a QKV of three parts with a dense one, dense float32 with
 biases inside the product, the int8 / int4 / int3 layouts with their scales and zero points, a GPTQ
 act-order folder's permuted inputs), both block kinds (Llama pre-norm, Gemma 3 sandwich with QK-norm,
-MQA, a sliding window), every integer path (q16 by default, and q8x2 for the types without it —
-the k-quants of the catalog models, whose tests are marked `model`; q8x2 forced; q8 with
+MQA, a sliding window), every integer path (q16 by default — blocks of 256 for the k-quants of the
+catalog models, whose tests are marked `model`; q8x2 forced; q8 with
 `qmatmul="fast"`) and both K/V dtypes. A model it cannot take (a linear method without a
 decode product) decodes through the modules and says why; grown RoPE tables rebuild the step.
 """

@@ -4,8 +4,10 @@ that share its step.
 Each of 16 prompts has its first 32 tokens in the prefix cache (two full blocks, computed once);
 then the logits after its last token are computed three ways: alone (a one-token step), in one
 step with the 15 others (a batch-16 decode), and as the first row of a 5-token step of its own
-(the prompt's last token followed by 4 more: the shape of speculative verification, read back
-as prompt logprobs). The three must be the same bits, for every weight storage kind the fast path
+(the prompt's last token followed by 4 more: the shape of speculative verification; the runner
+samples only that step's last row, so its first row is compared by its final hidden state, from
+which the one-row LM head product gives the alone logits). The three must be the same bits, for
+every weight storage kind the fast path
 takes: GGUF block types with 16-bit activations (q16) and two 8-bit levels (q8x2), one 8-bit level
 (`fast`), dense float32 and float16-from-GGUF parts, the int8 / int4 / int3 layouts, and the
 catalog's k-quants with sliding-window layers (gemma3-270m, marked `model`). What makes it hold:
@@ -104,5 +106,6 @@ def test_dense_and_integer_layouts(tmp_path_factory, quantization):
 
 @pytest.mark.model
 def test_catalog_k_quants_and_sliding_windows():
-    """gemma3-270m: Q4_K / Q6_K (q8x2), Q5_0 / Q8_0 (q16), full and sliding-window layer groups."""
+    """gemma3-270m: Q4_K / Q6_K and Q5_0 / Q8_0 (q16 in blocks of 256 and of 32), full and sliding-window
+    layer groups."""
     assert_row_invariant(str(catalog_model_path("gemma3-270m")), 20000, kv_cache_memory=64 << 20)
