@@ -46,6 +46,6 @@ class AttentionMetadata:
 
     @property
     def max_query_len(self) -> int:
-        """The most new tokens any sequence of the step brings."""
+        """The most new tokens any sequence of the step brings (computed once per step)."""
         qsl = self.query_start_loc
-        return max(b - a for a, b in zip(qsl, qsl[1:]))
+        return self.derived("max_query_len", lambda: max(b - a for a, b in zip(qsl, qsl[1:])))

@@ -171,8 +171,9 @@ class DecodeStep {
   // when start is 0); residual: the residual stream coming in (None before layer 0). block_tables
   // and slot_mappings: one per KV-cache group. query_start_loc [B + 1]: sequence b's new tokens are
   // rows [qsl[b], qsl[b + 1]) (attended one decode per token when no sequence brings more than
-  // kSmallQueryMax, else by the tiled kernel, paged_attention); None: one new token per sequence. Returns (block output, residual stream) after layer end - 1,
-  // as the module path leaves them for the next layer or the final norm.
+  // kSmallQueryMax, else by the tiled kernel, paged_attention); None: one new token per sequence.
+  // Returns (block output, residual stream) after layer end - 1, as the module path leaves them for
+  // the next layer or the final norm.
   std::vector<torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual_in, torch::Tensor positions,
                                      std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
                                      std::vector<torch::Tensor> slot_mappings, c10::optional<torch::Tensor> query_start_loc,

@@ -12,6 +12,9 @@
 //   sub-blocks (times their integer scales) add up in int32 before one float conversion; the
 //   integer sums of each 16 values, bs16, serve the mins / offsets.
 //
+// 16-bit activations (q16: d = amax / 32767, one level) come in the type's block too (32, or 256 for
+// Q4_K / Q5_K / Q6_K), with s32 / s16 (d * the integer sums of each 32 / 16) whatever the block.
+//
 // A kernel computes out[t] = dot(weight row n, activation row m0 + t) for t < T (T = 1..kMaxT
 // tokens at once), decoding each weight block once for the T tokens.
 #pragma once
@@ -30,8 +33,8 @@ struct QAct {
   const int8_t* q = nullptr;      // [M, K]
   const int16_t* q16 = nullptr;   // 16-bit activations ("q16"): [M, K] instead of q (s32, s16 always)
   const float* d = nullptr;       // [M, K / block]
-  const float* s32 = nullptr;     // block 32: [M, K / 32]
-  const float* s16 = nullptr;     // block 32: [M, K / 16]
+  const float* s32 = nullptr;     // block 32, and 16-bit activations of either block: [M, K / 32]
+  const float* s16 = nullptr;     // the same: [M, K / 16]
   const int16_t* bs16 = nullptr;  // block 256: [M, K / 16]
   int64_t K = 0;
   int64_t block = 32;
