@@ -123,6 +123,12 @@ def test_cpu_backend_write_kv_matches_reference():
     backend.write_kv(k * 1e3, v, *half, meta)
     assert torch.equal(half[0].view(-1, Hk, D)[slots], (k * 1e3).to(torch.float16))
     assert torch.equal(half[1].view(-1, Hk, D)[slots], v.to(torch.float16))
+    # the vectorized float16 store rounds as Tensor.to does: overflow to inf, subnormals, ties to even
+    edge = torch.tensor([1e5, -1e5, 6e-8, -3e-6, 1 + 2 ** -11, 1 + 3 * 2 ** -11, 65504.0, 65520.0, 0.0, -0.0,
+                         1e-9, 2.5e-5])
+    v2 = edge.repeat(T * Hk * D // len(edge) + 1)[:T * Hk * D].reshape(T, Hk, D)
+    backend.write_kv(k, v2, *half, meta)
+    assert torch.equal(half[1].view(-1, Hk, D)[slots], v2.to(torch.float16))
     meta.slot_mapping = torch.tensor([3, 9, 0, 16, 6])
     with pytest.raises(RuntimeError, match="out of range"):
         backend.write_kv(k, v, *got, meta)
