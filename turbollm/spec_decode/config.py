@@ -1,0 +1,83 @@
+"""`speculative_config`: what `LLM(..., speculative_config={...})` and `--speculative-config '{json}'`
+take, with vLLM's field names, checked before anything is loaded.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    {"method": "suffix", "num_speculative_tokens": 4}
+    {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
+
+`num_speculative_tokens` (K) is at most `MAX_SPECULATIVE_TOKENS` = 7: a verification step then
+brings at most 8 tokens of a sequence, the range in which the decode path is row-invariant
+(docs/ARCHITECTURE.md, "Row invariance") and greedy speculation therefore token-exact. `adaptive`
+(default true) lets the engine choose K per step from measured acceptance and step costs, down to 0;
+false pins K. Every error names the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from turbollm.errors import InvalidRequestError
+
+METHODS = ("ngram", "suffix", "draft_model")
+#: the last sampled token plus K drafts stay within the decode kernel's small-query range (8)
+MAX_SPECULATIVE_TOKENS = 7
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence looked up
+    prompt_lookup_max: int = 4  # ngram: longest (tried first)
+    model: str | None = None  # draft_model: the draft checkpoint or catalog name
+    adaptive: bool = True
+
+
+def _int_field(d: dict, name: str, default: int | None, low: int, high: int | None) -> int:
+    value = d.get(name, default)
+    if value is None:
+        raise InvalidRequestError(f"speculative_config: {name!r} is required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"speculative_config: {name!r} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InvalidRequestError(f"speculative_config: {name!r} must be {bound}, got {value}")
+    return value
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    """A `SpeculativeConfig` from a dict, its JSON text, an existing config, or None (no speculation)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"speculative_config: not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"speculative_config: unknown field(s) {', '.join(map(repr, unknown))}; "
+                                  f"known: {', '.join(sorted(_FIELDS))}")
+    method = value.get("method")
+    if method not in METHODS:
+        raise InvalidRequestError(f"speculative_config: 'method' must be one of {', '.join(METHODS)}, got {method!r}")
+    k = _int_field(value, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    lo = _int_field(value, "prompt_lookup_min", SpeculativeConfig.prompt_lookup_min, 1, None)
+    hi = _int_field(value, "prompt_lookup_max", max(lo, SpeculativeConfig.prompt_lookup_max), 1, None)
+    if lo > hi:
+        raise InvalidRequestError(f"speculative_config: 'prompt_lookup_min' ({lo}) is above 'prompt_lookup_max' ({hi})")
+    model = value.get("model")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise InvalidRequestError("speculative_config: 'model' (the draft checkpoint) is required for draft_model")
+    elif model is not None:
+        raise InvalidRequestError(f"speculative_config: 'model' is only for draft_model, not {method}")
+    adaptive = value.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise InvalidRequestError(f"speculative_config: 'adaptive' must be true or false, got {adaptive!r}")
+    return SpeculativeConfig(method, k, lo, hi, model, adaptive)
