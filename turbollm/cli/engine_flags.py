@@ -48,6 +48,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's names, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                        "4}' (so far: ngram, for greedy requests without stop strings or penalties)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -60,4 +63,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
         kv_cache_dtype=ns.kv_cache_dtype, enforce_eager=ns.enforce_eager,
-        distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul)
+        distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
+        speculative_config=getattr(ns, "speculative_config", None))

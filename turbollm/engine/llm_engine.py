@@ -35,6 +35,7 @@ from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
+from turbollm.spec_decode.proposers import make_proposer
 from turbollm.engine.sequence import Sequence
 from turbollm.errors import InvalidRequestError
 from turbollm.loader import LoadedModel, describe_model, load_model
@@ -84,8 +85,11 @@ class LLMEngine:
                            "kv_cache_memory for the full context)", model_len, self.kv_config.num_tokens)
             model_len = self.kv_config.num_tokens
         self.max_model_len = model_len
+        spec = args.speculative_config
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
-                                   max(args.max_num_batched_tokens, args.block_size), model_len)
+                                   max(args.max_num_batched_tokens, args.block_size), model_len,
+                                   make_proposer(spec) if spec is not None else None,
+                                   spec.num_speculative_tokens if spec is not None else 0)
         self.executor = executor_cls(args, self.kv_config, loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()

@@ -148,10 +148,14 @@ class ModelRunner:
         batch = self.prepare(sched)
         hidden = self.run_model(batch)
         qsl = batch.attn.query_start_loc
-        sample_rows, rows, prompt_rows = [], [], {}
+        sample_rows, rows, prompt_rows, verify = [], [], {}, {}
         for i, (sid, tokens) in enumerate(sched.scheduled_token_ids.items()):
             st = self.states[sid]
             c, n = st.num_computed_tokens, len(tokens)
+            drafts = sched.spec_token_ids.get(sid)
+            if drafts:  # the last sampled token, then the drafts: every row is verified
+                verify[sid] = (qsl[i], drafts)
+                continue
             if st.params.prompt_logprobs is not None and st.index == 0 and c < st.num_prompt_tokens - 1:
                 last = min(c + n, st.num_prompt_tokens - 1)  # rows predicting prompt positions c+1 .. last
                 prompt_rows[sid] = (c + 1, hidden[qsl[i]:qsl[i] + (last - c)])
@@ -172,12 +176,35 @@ class ModelRunner:
                     continue
                 st.token_ids.append(res.token_id)
                 out.sampled[st.seq_id] = [SampledToken(res.token_id, res.logprob, res.rank, res.top)]
+        for sid, (row, drafts) in verify.items():
+            self._verify(self.states[sid], hidden[row:row + len(drafts) + 1], drafts, out)
         for sid, (first, h) in prompt_rows.items():
             try:
                 out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
             except Exception as e:  # noqa: BLE001 - that request fails, the step goes on
                 out.errors[sid] = f"prompt logprobs: {type(e).__name__}: {e}"
         return out
+
+    def _verify(self, st: SeqState, hidden: torch.Tensor, drafts: list[int], out: ModelRunnerOutput) -> None:
+        """Greedy verification of one sequence's drafts (the scheduler drafts only for greedy requests):
+        row j's target token is sampled as a decode of that position would sample it; the drafts are
+        accepted while they equal it, and the target's token at the first difference (or after the last
+        draft) ends the step's tokens. Rows are row-invariant (up to 8 per sequence), so the tokens are
+        the ones decoding one at a time would give."""
+        c = st.num_computed_tokens
+        logits = self.model.compute_logits(hidden)
+        results = self.sampler.sample(logits, [st] * logits.shape[0])
+        tokens: list[SampledToken] = []
+        for j, res in enumerate(results):
+            if res.error is not None:
+                out.errors[st.seq_id] = res.error
+                return
+            tokens.append(SampledToken(res.token_id, res.logprob, res.rank, res.top))
+            if j == len(drafts) or res.token_id != drafts[j]:
+                break
+        st.token_ids[c + 1:] = [t.token_id for t in tokens]  # the accepted drafts, then the new token
+        st.num_computed_tokens = c + len(tokens)
+        out.sampled[st.seq_id] = tokens
 
     @staticmethod
     def _prompt_logprobs(st: SeqState, first: int, logits: torch.Tensor) -> PromptLogprobs:

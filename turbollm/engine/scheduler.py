@@ -36,6 +36,7 @@ from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
 from turbollm.engine.sequence import Sequence, SequenceStatus
+from turbollm.spec_decode.proposers import Proposer
 
 
 @dataclass
@@ -56,8 +57,12 @@ class SchedulerUpdate:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, proposer: Proposer | None = None, num_spec_tokens: int = 0):
         self.kv, self.block_size = kv, kv.block_size
+        # speculative decoding: drafts for eligible decodes (`_drafts`), verified by the workers
+        self.proposer, self.num_spec_tokens = proposer, num_spec_tokens
+        # verified steps, draft tokens proposed, drafts accepted (vLLM's spec_decode counters)
+        self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -107,18 +112,25 @@ class Scheduler:
         chosen: list[tuple[Sequence, int, list[tuple[int, int]]]] = []  # (sequence, new tokens, (group, table
         # position) of the entries replaced: copied on write, or released out of a sliding window)
         budget = self.max_num_batched_tokens
+        drafts: dict[int, list[int]] = {}
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            if n == 1 and self.proposer is not None:
+                d = self._drafts(seq, budget - 1)
+                if d:
+                    drafts[seq.seq_id] = d
+                    n += len(d)
             replaced = self.kv.release_out_of_window(seq)
             shared = self.kv.shared_write_block(seq)
             need = self.kv.blocks_needed(seq, n) + (shared is not None)
             while not self.kv.can_allocate(need) and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
             if not self.kv.can_allocate(need):
+                drafts.pop(seq.seq_id, None)
                 if self.running[0] is seq:  # alone, and still too big: it can never run
                     self._drop(seq, out)
                 else:
@@ -151,7 +163,11 @@ class Scheduler:
             chosen.append((seq, n, []))
             budget -= n
         for seq, n, replaced in chosen:
-            self._describe(seq, n, replaced, out)
+            d = drafts.get(seq.seq_id)
+            self._describe(seq, n - len(d) if d else n, replaced, out)
+            if d:
+                out.scheduled_token_ids[seq.seq_id] = out.scheduled_token_ids[seq.seq_id] + d
+                out.spec_token_ids[seq.seq_id] = d
         if out.is_empty:  # nothing runs: the workers hear of the finished sequences next time
             self._finished_ids = out.finished_seq_ids + self._finished_ids
             out.finished_seq_ids = []
@@ -179,6 +195,22 @@ class Scheduler:
         out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
         if c + n == seq.num_tokens and seq.pending_forks:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
+
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Draft tokens for a decode of `seq`, or none: only greedy requests without stop strings,
+        penalties, logit bias or a pending min_tokens speculate (their target token is the argmax of
+        each row alone), and never past max_tokens, the context or the step's token budget."""
+        p = seq.params
+        if (not p.greedy or p.stop_strings or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty or p.logit_bias or len(seq.output_token_ids) < p.min_tokens
+                or seq.pending_forks):
+            return []
+        k = min(self.num_spec_tokens, room)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq.all_token_ids, k) if k > 0 else []
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
@@ -210,7 +242,7 @@ class Scheduler:
         updates: dict[int, SeqUpdate] = {}
         for sid, tokens in sched.scheduled_token_ids.items():
             seq = self.seqs.get(sid)
-            if seq is not None:
+            if seq is not None and sid not in sched.spec_token_ids:
                 seq.num_computed_tokens += len(tokens)
                 self.kv.cache_computed_blocks(seq)
         for sid, plp in out.prompt_logprobs.items():
@@ -233,12 +265,21 @@ class Scheduler:
             if seq is None:
                 continue
             update = updates.setdefault(sid, SeqUpdate(seq))
+            if sid in sched.spec_token_ids:
+                # a verified step: its last token and the accepted drafts now have K/V (the final
+                # sampled token does not yet); rejected drafts' slots are rewritten later
+                seq.num_computed_tokens += len(sampled)
+                self.spec_counts["num_drafts"] += 1
+                self.spec_counts["num_draft_tokens"] += len(sched.spec_token_ids[sid])
+                self.spec_counts["num_accepted_tokens"] += len(sampled) - 1
             for token in sampled:
                 seq.output_token_ids.append(token.token_id)
                 update.tokens.append(token)
                 if self._check_stop(seq, token.token_id):
                     self.finish(seq)
                     break
+            if sid in sched.spec_token_ids and not seq.is_finished:
+                self.kv.cache_computed_blocks(seq)
         result.updates = list(updates.values())
         return result
 

@@ -61,6 +61,9 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     # seq_id -> the token ids it computes this step, in batch order (len = its scheduled tokens)
     scheduled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> the draft tokens at the end of its scheduled tokens (speculative decoding: the step
+    # verifies them; its last sampled token comes first, then these)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # parent seq_id -> the siblings sampled from its row when this step completes its prompt
     forks: dict[int, list[ForkData]] = field(default_factory=dict)
     # copy-on-write: (group, src, dst), done in that group's layers before the forward pass

@@ -1,0 +1,85 @@
+"""Speculative decoding in the engine, greedy n-gram (turbollm/spec_decode, Scheduler._drafts,
+ModelRunner._verify): outputs token for token those of the same engine without speculation — the
+decode path is row-invariant, so a verified row is the decode of that position — alone and batched,
+with drafts accepted and rejected, ending at max_tokens and at an end token inside accepted drafts;
+non-greedy requests decode plainly beside speculating ones; bad configurations fail before loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant_tiny import build_tiny
+from turbollm import LLM, SamplingParams
+from turbollm.errors import InvalidRequestError
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(build_tiny("qwen2", tmp_path_factory.mktemp("spec")))
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(4, 384, (6 + i,), generator=g).tolist()
+        out.append({"prompt_token_ids": base * 3 + base[:2]})  # repetitive: prompt lookup finds drafts
+    return out
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_greedy_ngram_is_token_exact(tiny, quantization):
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2, quantization=quantization)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, quantization=quantization, speculative_config=SPEC)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(6)
+    assert _tokens(spec, prompts[:1], greedy) == _tokens(plain, prompts[:1], greedy)
+    assert _tokens(spec, prompts, greedy) == _tokens(plain, prompts, greedy)
+    counts = spec.engine.scheduler.spec_counts
+    assert counts["num_drafts"] > 0 and 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"], counts
+    for n in (1, 2, 5):  # drafts never run past max_tokens
+        p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        assert [len(t) for t in _tokens(spec, prompts, p)] == [n] * len(prompts)
+        assert _tokens(spec, prompts, p) == _tokens(plain, prompts, p)
+
+
+def test_end_token_inside_accepted_drafts_stops_there(tiny):
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
+    prompts = _prompts(4, seed=3)
+    ref = _tokens(plain, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    # make a token of each greedy continuation an end token: generation must stop right at it
+    stops = [r[len(r) // 2] for r in ref]
+    for prompt, r, stop in zip(prompts, ref, stops):
+        p = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], ignore_eos=True)
+        got = _tokens(spec, [prompt], p)[0]
+        assert got == _tokens(plain, [prompt], p)[0] == r[:r.index(stop) + 1]
+
+
+def test_sampled_requests_decode_plainly_beside_speculating_ones(tiny):
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
+    prompts = _prompts(3, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens"),
+    ({"method": "suffix", "num_speculative_tokens": 2}, "not available yet"),
+    ('{"method": "ngram"', "not valid JSON"),
+])
+def test_bad_configs_fail_before_loading(config, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        LLM("no-such-model-is-loaded", speculative_config=config)
