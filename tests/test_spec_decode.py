@@ -83,3 +83,44 @@ def test_sampled_requests_decode_plainly_beside_speculating_ones(tiny):
 def test_bad_configs_fail_before_loading(config, match):
     with pytest.raises(InvalidRequestError, match=match):
         LLM("no-such-model-is-loaded", speculative_config=config)
+
+
+def test_row_limit_is_the_kernels_row_invariant_range():
+    """The scheduler's row limit is the kernels' row-invariant range."""
+    from turbollm.kernels import cpu_kernels
+    from turbollm.kernels.quant import Q8X2_MAX_TOKENS
+    from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
+
+    assert ROW_INVARIANT_ROWS == Q8X2_MAX_TOKENS
+    kernels = cpu_kernels()
+    if kernels is not None:
+        assert ROW_INVARIANT_ROWS == kernels.dense_max_rows
+
+
+def test_steps_stay_within_the_row_invariant_range(tiny):
+    """A batch of 8 decodes drafts only as far as 16 rows allow, and stays token-exact."""
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
+    runner = spec.engine.executor.worker.runner
+    sizes, real = [], runner.run_model
+
+    def watch(batch):  # decode and verification steps (the prompts, 20+ tokens each, prefill before)
+        if batch.attn.max_query_len <= 8:
+            sizes.append(batch.input_ids.numel())
+        return real(batch)
+
+    runner.run_model = watch
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    prompts = _prompts(8, seed=9)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert _tokens(spec, prompts, p) == _tokens(plain, prompts, p)
+    assert sizes and max(sizes) <= 16 and spec.engine.scheduler.spec_counts["num_drafts"] > 0, sizes
+
+
+def test_worker_process_verifies_too(tiny):
+    """The drafts and the verified tokens cross the process boundary as plain data."""
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC, distributed_executor_backend="mp")
+    prompts = _prompts(6)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert _tokens(spec, prompts, p) == _tokens(plain, prompts, p)
+    assert spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0

@@ -36,6 +36,7 @@ from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
 from turbollm.engine.sequence import Sequence, SequenceStatus
+from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.proposers import Proposer
 
 
@@ -113,14 +114,17 @@ class Scheduler:
         # position) of the entries replaced: copied on write, or released out of a sliding window)
         budget = self.max_num_batched_tokens
         drafts: dict[int, list[int]] = {}
-        for seq in list(self.running):
+        running = list(self.running)
+        for idx, seq in enumerate(running):
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
             if n == 1 and self.proposer is not None:
-                d = self._drafts(seq, budget - 1)
+                # rows left for drafts: the tokens scheduled so far and one per running sequence after this one
+                rows = self.max_num_batched_tokens - budget + (len(running) - idx - 1)
+                d = self._drafts(seq, min(budget, ROW_INVARIANT_ROWS - rows) - 1)
                 if d:
                     drafts[seq.seq_id] = d
                     n += len(d)
@@ -199,7 +203,8 @@ class Scheduler:
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for a decode of `seq`, or none: only greedy requests without stop strings,
         penalties, logit bias or a pending min_tokens speculate (their target token is the argmax of
-        each row alone), and never past max_tokens, the context or the step's token budget."""
+        each row alone), and never past max_tokens, the context, the step's token budget or, with the
+        tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
         p = seq.params
         if (not p.greedy or p.stop_strings or p.repetition_penalty != 1.0 or p.presence_penalty
                 or p.frequency_penalty or p.logit_bias or len(seq.output_token_ids) < p.min_tokens

@@ -21,6 +21,10 @@ from typing import Any
 from turbollm.errors import InvalidRequestError
 
 METHODS = ("ngram", "suffix", "draft_model")
+#: rows of a step within which the matmuls compute each row alone (kernels.quant.Q8X2_MAX_TOKENS,
+#: the C++ dense_max_rows): the scheduler drafts only while a step stays within them, so that a
+#: verified row is bit for bit the decode of its position (tests/test_spec_decode.py holds them equal)
+ROW_INVARIANT_ROWS = 16
 #: the last sampled token plus K drafts stay within the decode kernel's small-query range (8)
 MAX_SPECULATIVE_TOKENS = 7
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
