@@ -124,3 +124,28 @@ def test_worker_process_verifies_too(tiny):
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert _tokens(spec, prompts, p) == _tokens(plain, prompts, p)
     assert spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0
+
+
+def test_metrics_carry_the_spec_decode_counters(tiny):
+    """/metrics: vLLM's spec_decode counters under turbollm:, equal to the scheduler's counts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from turbollm.server.metrics import _EngineCollector
+
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
+    _tokens(spec, _prompts(6), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(spec.engine, "tiny"))
+    text = generate_latest(registry).decode()
+    counts, per_pos = spec.engine.scheduler.spec_counts, spec.engine.scheduler.spec_accepted_per_pos
+    assert counts["num_accepted_tokens"] == sum(per_pos) > 0 and len(per_pos) == 4
+    assert per_pos == sorted(per_pos, reverse=True)  # position i accepted only after 0..i-1
+    for name, value in counts.items():
+        assert f'turbollm:spec_decode_{name}_total{{model_name="tiny"}} {float(value)}' in text, name
+    for pos, value in enumerate(per_pos):
+        assert (f'turbollm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{pos}"}} '
+                f'{float(value)}') in text
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(plain.engine, "tiny"))
+    assert "spec_decode" not in generate_latest(registry).decode()  # off: no such series

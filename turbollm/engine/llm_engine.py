@@ -161,8 +161,10 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         self.output_processor.abort(request_id)
 
-    def stats(self) -> dict[str, float | int]:
-        """Engine counters: requests, KV blocks, prefix cache (tokens), preemptions."""
+    def stats(self) -> dict[str, float | int | list[int]]:
+        """Engine counters: requests, KV blocks, prefix cache (tokens), preemptions; with speculation,
+        its counters (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`, and
+        `spec_decode_accepted_per_pos`: drafts accepted at each position)."""
         pool, sched = self.kv_manager, self.scheduler
         return {
             "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
@@ -170,6 +172,8 @@ class LLMEngine:
             "kv_cache_usage": pool.usage, "prefix_cache_queries": pool.stats.queries,
             "prefix_cache_hits": pool.stats.hits, "prefix_cache_evictions": pool.stats.evictions,
             "num_preemptions": sched.num_preemptions,
+            **({**{"spec_decode_" + k: v for k, v in sched.spec_counts.items()},
+                "spec_decode_accepted_per_pos": list(sched.spec_accepted_per_pos)} if sched.proposer is not None else {}),
         }
 
     def has_unfinished_requests(self) -> bool:

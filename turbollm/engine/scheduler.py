@@ -64,6 +64,7 @@ class Scheduler:
         self.proposer, self.num_spec_tokens = proposer, num_spec_tokens
         # verified steps, draft tokens proposed, drafts accepted (vLLM's spec_decode counters)
         self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.spec_accepted_per_pos = [0] * num_spec_tokens  # drafts accepted at each position 0..K-1
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -277,6 +278,8 @@ class Scheduler:
                 self.spec_counts["num_drafts"] += 1
                 self.spec_counts["num_draft_tokens"] += len(sched.spec_token_ids[sid])
                 self.spec_counts["num_accepted_tokens"] += len(sampled) - 1
+                for pos in range(len(sampled) - 1):
+                    self.spec_accepted_per_pos[pos] += 1
             for token in sampled:
                 seq.output_token_ids.append(token.token_id)
                 update.tokens.append(token)

@@ -1,6 +1,7 @@
 """Prometheus metrics under vLLM's names, prefixed `turbollm:`, in a registry of our own.
 
-Gauges and the engine's own counters (prefix cache, preemptions) are read from
+Gauges and the engine's own counters (prefix cache, preemptions, speculative decoding's drafts and
+accepted tokens when it is on) are read from
 `LLMEngine.stats()` at scrape time: they are plain ints and lengths owned by the worker
 thread, so a read from the event loop sees a value at most one step old. Token counts,
 finished requests and the latency histograms are recorded by the server per request.
@@ -43,6 +44,18 @@ class _EngineCollector:
                 ("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", s["num_preemptions"])):
             c = CounterMetricFamily(P + name, doc, labels=labels)
             c.add_metric([self.model_name], float(value))
+            yield c
+        if "spec_decode_num_drafts" in s:  # speculative decoding on: vLLM's spec_decode counters
+            for name, doc in (("spec_decode_num_drafts", "Verification steps of speculating sequences."),
+                              ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                              ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
+                c = CounterMetricFamily(P + name, doc, labels=labels)
+                c.add_metric([self.model_name], float(s[name]))
+                yield c
+            c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                    "position in the draft.", labels=labels + ["position"])
+            for pos, value in enumerate(s["spec_decode_accepted_per_pos"]):
+                c.add_metric([self.model_name, str(pos)], float(value))
             yield c
 
 
