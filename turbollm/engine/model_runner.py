@@ -148,13 +148,15 @@ class ModelRunner:
         batch = self.prepare(sched)
         hidden = self.run_model(batch)
         qsl = batch.attn.query_start_loc
-        sample_rows, rows, prompt_rows, verify = [], [], {}, {}
+        sample_rows, rows, prompt_rows = [], [], {}
+        verify, verify_rows = [], []  # (state, drafts) of speculating sequences, and their hidden rows
         for i, (sid, tokens) in enumerate(sched.scheduled_token_ids.items()):
             st = self.states[sid]
             c, n = st.num_computed_tokens, len(tokens)
             drafts = sched.spec_token_ids.get(sid)
-            if drafts:  # the last sampled token, then the drafts: every row is verified
-                verify[sid] = (qsl[i], drafts)
+            if drafts:  # the last sampled token, then the drafts: every row is sampled, then verified
+                verify.append((st, drafts))
+                verify_rows.extend(range(qsl[i], qsl[i + 1]))
                 continue
             if st.params.prompt_logprobs is not None and st.index == 0 and c < st.num_prompt_tokens - 1:
                 last = min(c + n, st.num_prompt_tokens - 1)  # rows predicting prompt positions c+1 .. last
@@ -168,16 +170,19 @@ class ModelRunner:
                     rows.append(sibling)
                 sample_rows.append(qsl[i + 1] - 1)
                 rows.append(st)
-        if rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            for st, res in zip(rows, self.sampler.sample(logits, rows)):
+        if rows or verify:  # one LM-head product and one sampling call for every sampled row of the step
+            all_rows = rows + [st for st, drafts in verify for _ in range(len(drafts) + 1)]
+            results = self.sampler.sample(self.model.compute_logits(hidden[sample_rows + verify_rows]), all_rows)
+            for st, res in zip(rows, results):
                 if res.error is not None:
                     out.errors[st.seq_id] = res.error
                     continue
                 st.token_ids.append(res.token_id)
                 out.sampled[st.seq_id] = [SampledToken(res.token_id, res.logprob, res.rank, res.top)]
-        for sid, (row, drafts) in verify.items():
-            self._verify(self.states[sid], hidden[row:row + len(drafts) + 1], drafts, out)
+            first = len(rows)
+            for st, drafts in verify:
+                self._verify(st, results[first:first + len(drafts) + 1], drafts, out)
+                first += len(drafts) + 1
         for sid, (first, h) in prompt_rows.items():
             try:
                 out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
@@ -185,15 +190,14 @@ class ModelRunner:
                 out.errors[sid] = f"prompt logprobs: {type(e).__name__}: {e}"
         return out
 
-    def _verify(self, st: SeqState, hidden: torch.Tensor, drafts: list[int], out: ModelRunnerOutput) -> None:
+    @staticmethod
+    def _verify(st: SeqState, results: list, drafts: list[int], out: ModelRunnerOutput) -> None:
         """Greedy verification of one sequence's drafts (the scheduler drafts only for greedy requests):
-        row j's target token is sampled as a decode of that position would sample it; the drafts are
-        accepted while they equal it, and the target's token at the first difference (or after the last
-        draft) ends the step's tokens. Rows are row-invariant (up to 8 per sequence), so the tokens are
-        the ones decoding one at a time would give."""
+        `results` holds row j's target token, sampled as a decode of that position would sample it; the
+        drafts are accepted while they equal it, and the target's token at the first difference (or after
+        the last draft) ends the step's tokens. Rows are row-invariant (up to 16 per step), so the tokens
+        are the ones decoding one at a time would give."""
         c = st.num_computed_tokens
-        logits = self.model.compute_logits(hidden)
-        results = self.sampler.sample(logits, [st] * logits.shape[0])
         tokens: list[SampledToken] = []
         for j, res in enumerate(results):
             if res.error is not None:

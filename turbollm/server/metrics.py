@@ -38,20 +38,19 @@ class _EngineCollector:
             g = GaugeMetricFamily(P + name, doc, labels=labels)
             g.add_metric([self.model_name], float(value))
             yield g
-        for name, doc, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_cache_queries"]),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"]),
-                ("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", s["num_preemptions"])):
+        counters = [("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                    ("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.")]
+        spec = "spec_decode_num_drafts" in s  # speculative decoding on: vLLM's spec_decode counters too
+        if spec:
+            counters += [("spec_decode_num_drafts", "Verification steps of speculating sequences."),
+                         ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                         ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")]
+        for name, doc in counters:
             c = CounterMetricFamily(P + name, doc, labels=labels)
-            c.add_metric([self.model_name], float(value))
+            c.add_metric([self.model_name], float(s[name]))
             yield c
-        if "spec_decode_num_drafts" in s:  # speculative decoding on: vLLM's spec_decode counters
-            for name, doc in (("spec_decode_num_drafts", "Verification steps of speculating sequences."),
-                              ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
-                              ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
-                c = CounterMetricFamily(P + name, doc, labels=labels)
-                c.add_metric([self.model_name], float(s[name]))
-                yield c
+        if spec:
             c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
                                     "position in the draft.", labels=labels + ["position"])
             for pos, value in enumerate(s["spec_decode_accepted_per_pos"]):
