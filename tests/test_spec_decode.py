@@ -87,14 +87,12 @@ def test_bad_configs_fail_before_loading(config, match):
 
 def test_row_limit_is_the_kernels_row_invariant_range():
     """The scheduler's row limit is the kernels' row-invariant range."""
-    from turbollm.kernels import cpu_kernels
+    from conftest import require_kernels
     from turbollm.kernels.quant import Q8X2_MAX_TOKENS
     from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 
     assert ROW_INVARIANT_ROWS == Q8X2_MAX_TOKENS
-    kernels = cpu_kernels()
-    if kernels is not None:
-        assert ROW_INVARIANT_ROWS == kernels.dense_max_rows
+    assert ROW_INVARIANT_ROWS == require_kernels().dense_max_rows  # strict mode: fails if the kernels do not build
 
 
 def test_steps_stay_within_the_row_invariant_range(tiny):
