@@ -1,8 +1,9 @@
-"""Speculative decoding in the engine, greedy n-gram (turbollm/spec_decode, Scheduler._drafts,
+"""Speculative decoding in the engine, n-gram (turbollm/spec_decode, Scheduler._drafts,
 ModelRunner._verify): outputs token for token those of the same engine without speculation — the
 decode path is row-invariant, so a verified row is the decode of that position — alone and batched,
-with drafts accepted and rejected, ending at max_tokens and at an end token inside accepted drafts;
-non-greedy requests decode plainly beside speculating ones; bad configurations fail before loading."""
+with drafts accepted and rejected, ending at max_tokens, at an end token or a stop string inside
+accepted drafts; seeded sampled requests of every setting draw the same tokens as without
+speculation; bad configurations fail before loading. The distribution test is test_spec_distribution.py."""
 
 from __future__ import annotations
 
@@ -63,16 +64,70 @@ def test_end_token_inside_accepted_drafts_stops_there(tiny):
         assert got == _tokens(plain, [prompt], p)[0] == r[:r.index(stop) + 1]
 
 
-def test_sampled_requests_decode_plainly_beside_speculating_ones(tiny):
+SAMPLED = [
+    SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=9, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=10, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
+                   frequency_penalty=0.5),
+    SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, frequency_penalty=1.0, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=11, max_tokens=16, min_tokens=8, logit_bias={2: 6.0, 40: 2.0}),
+]
+
+
+class GreedyOracle:
+    """Drafts the target's own greedy continuation (computed by a plain engine): a sampled request
+    accepts them often enough (the tiny model's top token carries 10-70% of the mass) to exercise
+    acceptance and rejection alike, where prompt lookup on a random model rarely has a guess."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return _tokens(self.llm, [{"prompt_token_ids": token_ids}], SamplingParams(temperature=0, max_tokens=k,
+                                                                                   ignore_eos=True))[0]
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny):
+    """Every sampling setting speculates (rows verified with their own history, drafts included), and a
+    seeded request draws exactly the tokens it draws without speculation: same logits (row-invariant),
+    same penalties and min_tokens mask at each position, same noise (the generator rewound to the rows used)."""
     plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
     spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
-    prompts = _prompts(3, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)]
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    spec.engine.scheduler.proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
+    prompts = _prompts(len(SAMPLED), seed=5)
+    for i, params in enumerate(SAMPLED):  # alone: each setting's own drafts are verified
+        before = dict(spec.engine.scheduler.spec_counts)
+        want = _tokens(plain, prompts[i:i + 1], params)
+        assert _tokens(spec, prompts[i:i + 1], params) == want, params
+        counts = spec.engine.scheduler.spec_counts
+        assert counts["num_accepted_tokens"] > before["num_accepted_tokens"], params
+        assert counts["num_accepted_tokens"] - before["num_accepted_tokens"] < \
+            counts["num_draft_tokens"] - before["num_draft_tokens"], params  # and rejected some
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, SAMPLED, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, SAMPLED, use_tqdm=False)] == want  # batched
+
+
+def test_stop_strings_end_the_output_inside_accepted_drafts(tiny):
+    """A stop string written by a token in the middle of a verified step ends the output at that token."""
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
+    spec.engine.scheduler.proposer = GreedyOracle(plain)  # every draft accepted: stops fall inside steps
+    prompts = _prompts(4, seed=3)
+    ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    checked = 0
+    for prompt, r in zip(prompts, ref):
+        words = r.outputs[0].text.split()
+        for stop in (words[len(words) // 2], words[-3]):
+            for include in (False, True):
+                p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                   include_stop_str_in_output=include)
+                a = plain.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+                b = spec.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+                assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+                    (a.token_ids, a.text, a.finish_reason, a.stop_reason) and a.finish_reason == "stop"
+                checked += 1
+    assert checked == 16 and spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("config,match", [

@@ -120,5 +120,12 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def uses_history(self) -> bool:
+        """Whether sampling a token depends on the tokens before it (penalties, min_tokens), not only on
+        its logits: speculative verification then gives each row its own history, drafts included."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+                or self.min_tokens > 0)
+
+    @property
     def stop_strings(self) -> list[str]:
         return self._stop_list

@@ -171,8 +171,10 @@ class ModelRunner:
                 sample_rows.append(qsl[i + 1] - 1)
                 rows.append(st)
         if rows or verify:  # one LM-head product and one sampling call for every sampled row of the step
-            all_rows = rows + [st for st, drafts in verify for _ in range(len(drafts) + 1)]
-            results = self.sampler.sample(self.model.compute_logits(hidden[sample_rows + verify_rows]), all_rows)
+            all_rows = rows + [row for st, drafts in verify for row in _verify_rows(st, len(drafts))]
+            rewind = {st.seq_id: st.generator.get_state() for st, _ in verify if _draws_own_noise(st)}
+            logits = self.model.compute_logits(hidden[sample_rows + verify_rows])
+            results = self.sampler.sample(logits, all_rows)
             for st, res in zip(rows, results):
                 if res.error is not None:
                     out.errors[st.seq_id] = res.error
@@ -180,9 +182,12 @@ class ModelRunner:
                 st.token_ids.append(res.token_id)
                 out.sampled[st.seq_id] = [SampledToken(res.token_id, res.logprob, res.rank, res.top)]
             first = len(rows)
+            vocab = logits.shape[-1]
             for st, drafts in verify:
                 self._verify(st, results[first:first + len(drafts) + 1], drafts, out)
                 first += len(drafts) + 1
+                if st.seq_id in rewind:  # the noise of the rows past the last token was never used
+                    _rewind(st.generator, rewind[st.seq_id], len(out.sampled.get(st.seq_id, ())), vocab)
         for sid, (first, h) in prompt_rows.items():
             try:
                 out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
@@ -192,11 +197,17 @@ class ModelRunner:
 
     @staticmethod
     def _verify(st: SeqState, results: list, drafts: list[int], out: ModelRunnerOutput) -> None:
-        """Greedy verification of one sequence's drafts (the scheduler drafts only for greedy requests):
-        `results` holds row j's target token, sampled as a decode of that position would sample it; the
-        drafts are accepted while they equal it, and the target's token at the first difference (or after
-        the last draft) ends the step's tokens. Rows are row-invariant (up to 16 per step), so the tokens
-        are the ones decoding one at a time would give."""
+        """Verification of one sequence's drafts. `results` holds row j's target token, sampled as a
+        decode of that position would sample it (its logits, its history with drafts 0..j-1, its noise);
+        the drafts are accepted while they equal it, and the target's token at the first difference (or
+        after the last draft) ends the step's tokens.
+
+        Greedy, the rows' argmaxes are the tokens decoding one at a time would give (rows are
+        row-invariant up to 16 per step). Sampled, this is rejection sampling for a proposer whose
+        draft d is a function of the tokens so far (q one-hot): the row's token x ~ p is accepted when
+        x = d, with probability p(d) = min(1, p(d)/q(d)); otherwise x is p conditioned on x != d,
+        which is norm(max(0, p - q)). A seeded request's noise is rewound to the rows used, so it
+        draws the same tokens as without speculation."""
         c = st.num_computed_tokens
         tokens: list[SampledToken] = []
         for j, res in enumerate(results):
@@ -214,6 +225,28 @@ class ModelRunner:
     def _prompt_logprobs(st: SeqState, first: int, logits: torch.Tensor) -> PromptLogprobs:
         tokens = st.token_ids[first:first + logits.shape[0]]
         return PromptLogprobs(first, tokens, *ranked_logprobs(logits, tokens, st.params.prompt_logprobs))
+
+
+def _verify_rows(st: SeqState, num_drafts: int) -> list[SamplingRow]:
+    """What the sampler sees of a speculating sequence's rows: row j follows the sequence so far and
+    drafts 0..j-1 (a copy of that history only when the request's sampling depends on it)."""
+    if not st.params.uses_history:
+        return [st] * (num_drafts + 1)
+    end = st.num_computed_tokens + 1
+    return [SamplingRow(st.params, st.token_ids[:end + j], st.num_prompt_tokens, st.end_token_ids, st.generator)
+            for j in range(num_drafts + 1)]
+
+
+def _draws_own_noise(st: SeqState) -> bool:
+    return st.generator is not None and not st.params.greedy
+
+
+def _rewind(generator: torch.Generator, state: torch.Tensor, num_used: int, vocab: int) -> None:
+    """Put a seeded request's generator where `num_used` rows' draws (one exponential per vocabulary
+    entry each, as `Sampler._draw` draws them) would leave it."""
+    generator.set_state(state)
+    for _ in range(num_used):
+        torch.empty(vocab).exponential_(generator=generator)
 
 
 def _table_tensor(tables: list[list[int]]) -> torch.Tensor:

@@ -100,26 +100,37 @@ class OutputProcessor:
         if not u.tokens:
             return
         p = seq.params
-        start = len(seq.text)
-        for t in u.tokens:
+        for i, t in enumerate(u.tokens):  # several with speculation: a stop string ends the output at its token
+            start = len(seq.text)
             self._record_logprobs(seq, t)
             seq.text += seq.detokenizer.add(t.token_id)
-        if p.stop_strings and len(seq.output_token_ids) >= p.min_tokens and seq.finish_reason != "stop":
-            window = max(0, start - max(len(s) for s in p.stop_strings))
-            for stop in p.stop_strings:
-                idx = seq.text.find(stop, window)
-                if idx >= 0:
-                    seq.text = seq.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq)
-                    return
+            later = len(u.tokens) - 1 - i  # this step's tokens after this one
+            # (an end token that finished the sequence at its last token keeps its reason, as without speculation)
+            if p.stop_strings and len(seq.output_token_ids) - later >= p.min_tokens \
+                    and (later or seq.finish_reason != "stop") and self._find_stop(seq, start):
+                del seq.output_token_ids[len(seq.output_token_ids) - later:]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                return
         if seq.is_finished:
             # Release what the incremental detokenizer held back (a character cut by max_tokens). The
             # text stays the one streamed so far plus that tail: decoding the output alone would drop
             # a SentencePiece first token's leading space that the stream (decoded with the prompt
             # as context) has already sent.
             seq.text += seq.detokenizer.flush()
+
+    @staticmethod
+    def _find_stop(seq: Sequence, start: int) -> bool:
+        """Whether text added from `start` on completes a stop string: then cut the text there and set the reason."""
+        p = seq.params
+        window = max(0, start - max(len(s) for s in p.stop_strings))
+        for stop in p.stop_strings:
+            idx = seq.text.find(stop, window)
+            if idx >= 0:
+                seq.text = seq.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

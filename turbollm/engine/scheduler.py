@@ -202,14 +202,12 @@ class Scheduler:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """Draft tokens for a decode of `seq`, or none: only greedy requests without stop strings,
-        penalties, logit bias or a pending min_tokens speculate (their target token is the argmax of
-        each row alone), and never past max_tokens, the context, the step's token budget or, with the
-        tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
+        """Draft tokens for a decode of `seq`, or none: any sampling settings speculate (the workers
+        verify each row with its own history, `ModelRunner._verify`), but not a prompt that still has
+        n > 1 siblings to fork, and never past max_tokens, the context, the step's token budget or,
+        with the tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
         p = seq.params
-        if (not p.greedy or p.stop_strings or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty or p.logit_bias or len(seq.output_token_ids) < p.min_tokens
-                or seq.pending_forks):
+        if seq.pending_forks:
             return []
         k = min(self.num_spec_tokens, room)
         if p.max_tokens is not None:
