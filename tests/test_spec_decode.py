@@ -202,3 +202,17 @@ def test_metrics_carry_the_spec_decode_counters(tiny):
     registry = CollectorRegistry()
     registry.register(_EngineCollector(plain.engine, "tiny"))
     assert "spec_decode" not in generate_latest(registry).decode()  # off: no such series
+
+
+def test_preemption_and_n_siblings_with_speculation(tiny):
+    """A pool too small for the batch preempts speculating sequences (their drafts' slots go with their
+    blocks) and n = 2 siblings speculate after their fork: the seeded tokens stay those without speculation."""
+    small = dict(kv_cache_memory=12 * 16 * 512, threads=2)  # 12 blocks of 16 tokens (float32, 512 B per token)
+    plain, spec = LLM(tiny, **small), LLM(tiny, **small, speculative_config=SPEC)
+    spec.engine.scheduler.proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
+    prompts = _prompts(6, seed=13)
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0
