@@ -13,6 +13,7 @@ import torch
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 from turbollm.errors import InvalidRequestError
+from turbollm.spec_decode.proposers import Proposer
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -35,10 +36,13 @@ def _tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_greedy_ngram_is_token_exact(tiny, quantization):
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.05}
+
+
+@pytest.mark.parametrize("quantization,config", [(None, SPEC), ("int8", SPEC), (None, SUFFIX)])
+def test_greedy_speculation_is_token_exact(tiny, quantization, config):
     plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2, quantization=quantization)
-    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, quantization=quantization, speculative_config=SPEC)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, quantization=quantization, speculative_config=config)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = _prompts(6)
     assert _tokens(spec, prompts[:1], greedy) == _tokens(plain, prompts[:1], greedy)
@@ -49,6 +53,23 @@ def test_greedy_ngram_is_token_exact(tiny, quantization):
         p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         assert [len(t) for t in _tokens(spec, prompts, p)] == [n] * len(prompts)
         assert _tokens(spec, prompts, p) == _tokens(plain, prompts, p)
+
+
+def test_suffix_drafts_from_earlier_requests_outputs(tiny):
+    """The global tree: a request like an earlier one is drafted from that one's output."""
+    plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SUFFIX)
+    prompts = _prompts(4, seed=21)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = _tokens(plain, prompts, greedy)
+    counts = spec.engine.scheduler.spec_counts
+    accepted = []
+    for _ in range(2):
+        before = counts["num_accepted_tokens"]
+        assert _tokens(spec, prompts, greedy) == want
+        accepted.append(counts["num_accepted_tokens"] - before)
+    assert accepted[1] > accepted[0] + 40, accepted
+    assert spec.engine.scheduler.proposer.requests == {}  # per-request trees go with their sequences
 
 
 def test_end_token_inside_accepted_drafts_stops_there(tiny):
@@ -75,7 +96,7 @@ SAMPLED = [
 ]
 
 
-class GreedyOracle:
+class GreedyOracle(Proposer):
     """Drafts the target's own greedy continuation (computed by a plain engine): a sampled request
     accepts them often enough (the tiny model's top token carries 10-70% of the mass) to exercise
     acceptance and rejection alike, where prompt lookup on a random model rarely has a guess."""
@@ -83,7 +104,7 @@ class GreedyOracle:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         return _tokens(self.llm, [{"prompt_token_ids": token_ids}], SamplingParams(temperature=0, max_tokens=k,
                                                                                    ignore_eos=True))[0]
 
@@ -132,7 +153,7 @@ def test_stop_strings_end_the_output_inside_accepted_drafts(tiny):
 
 @pytest.mark.parametrize("config,match", [
     ({"method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens"),
-    ({"method": "suffix", "num_speculative_tokens": 2}, "not available yet"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not available yet"),
     ('{"method": "ngram"', "not valid JSON"),
 ])
 def test_bad_configs_fail_before_loading(config, match):

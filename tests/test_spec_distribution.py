@@ -23,6 +23,7 @@ import torch
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 from turbollm.engine import model_runner
+from turbollm.spec_decode.proposers import Proposer
 
 SAMPLES = 20_000
 PROMPT = {"prompt_token_ids": [5, 17, 230, 41, 99, 17, 230, 8, 64, 301, 17, 230]}
@@ -35,14 +36,14 @@ SETTINGS = {
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}
 
 
-class GreedyOracle:
+class GreedyOracle(Proposer):
     """Drafts at the first decode only: the target's greedy two tokens after prompt + t1 (a table)."""
 
     def __init__(self, table: dict[int, list[int]], prompt_len: int):
         self.table, self.prompt_len = table, prompt_len
         self.calls = 0
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         if len(token_ids) != self.prompt_len + 1:
             return []
         self.calls += 1

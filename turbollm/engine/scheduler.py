@@ -214,7 +214,7 @@ class Scheduler:
             k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.all_token_ids, k) if k > 0 else []
+        return self.proposer.propose(seq.seq_id, seq.all_token_ids, k) if k > 0 else []
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
@@ -234,6 +234,8 @@ class Scheduler:
         """Remove a finished (or aborted, or failed) sequence and return its blocks."""
         self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None and seq.seq_id in self.seqs:
+            self.proposer.finish(seq.seq_id, seq.output_token_ids)
         self.seqs.pop(seq.seq_id, None)
         self._resumed.discard(seq.seq_id)
         if seq.known_to_workers:

@@ -2,7 +2,7 @@
 take, with vLLM's field names, checked before anything is loaded.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    {"method": "suffix", "num_speculative_tokens": 4}
+    {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 24}
     {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
 
 `num_speculative_tokens` (K) is at most `MAX_SPECULATIVE_TOKENS` = 7: a verification step then
@@ -27,7 +27,9 @@ METHODS = ("ngram", "suffix", "draft_model")
 ROW_INVARIANT_ROWS = 16
 #: the last sampled token plus K drafts stay within the decode kernel's small-query range (8)
 MAX_SPECULATIVE_TOKENS = 7
-_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
+_SUFFIX_FIELDS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                  "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"} | _SUFFIX_FIELDS
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest (tried first)
     model: str | None = None  # draft_model: the draft checkpoint or catalog name
     adaptive: bool = True
+    # suffix (vLLM's names): the trees index every substring up to this many tokens
+    suffix_decoding_max_tree_depth: int = 24
+    # finished requests whose outputs the global tree keeps, oldest evicted first (0: per-request trees
+    # only). vLLM's default is 10000; ours is lower because each indexed token costs up to depth
+    # Python nodes
+    suffix_decoding_max_cached_requests: int = 1000
+    # drafts per step at most this times the matched pattern's length
+    suffix_decoding_max_spec_factor: float = 1.0
+    # drafting stops when the continuation's estimated probability (product of count ratios) falls below
+    suffix_decoding_min_token_prob: float = 0.1
 
 
 def _int_field(d: dict, name: str, default: int | None, low: int, high: int | None) -> int:
@@ -84,4 +96,20 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     adaptive = value.get("adaptive", True)
     if not isinstance(adaptive, bool):
         raise InvalidRequestError(f"speculative_config: 'adaptive' must be true or false, got {adaptive!r}")
-    return SpeculativeConfig(method, k, lo, hi, model, adaptive)
+    suffix = {name: value[name] for name in _SUFFIX_FIELDS if name in value}
+    if suffix and method != "suffix":
+        raise InvalidRequestError(f"speculative_config: {', '.join(map(repr, sorted(suffix)))} only for suffix, "
+                                  f"not {method}")
+    if suffix:
+        _int_field(suffix, "suffix_decoding_max_tree_depth", 24, 2, 1024)
+        _int_field(suffix, "suffix_decoding_max_cached_requests", 1000, 0, None)
+        for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
+                                ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+            v = suffix.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low
+                                  or (high is not None and v > high) or (name.endswith("factor") and v == 0)):
+                bound = "in [0, 1]" if high is not None else "> 0"
+                raise InvalidRequestError(f"speculative_config: {name!r} must be a number {bound}, got {v!r}")
+            if v is not None:
+                suffix[name] = float(v)
+    return SpeculativeConfig(method, k, lo, hi, model, adaptive, **suffix)
