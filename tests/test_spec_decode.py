@@ -153,7 +153,6 @@ def test_stop_strings_end_the_output_inside_accepted_drafts(tiny):
 
 @pytest.mark.parametrize("config,match", [
     ({"method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not available yet"),
     ('{"method": "ngram"', "not valid JSON"),
 ])
 def test_bad_configs_fail_before_loading(config, match):

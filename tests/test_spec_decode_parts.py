@@ -70,7 +70,9 @@ def test_ngram_proposer_examples():
     assert p.propose(0, [5, 6, 5, 6], 4) == [5, 6]  # continuation cut at the sequence's end
     assert p.propose(0, [], 3) == [] and p.propose(0, [4], 3) == []
     assert make_proposer(SpeculativeConfig("ngram", 2)).propose(0, [1, 2, 1, 2], 2) == [1, 2]
-    with pytest.raises(NotImplementedError, match="draft_model"):
+    with pytest.raises(NotImplementedError, match="eagle"):
+        make_proposer(SpeculativeConfig("eagle", 2))
+    with pytest.raises(InvalidRequestError, match="inside an engine"):
         make_proposer(SpeculativeConfig("draft_model", 2, model="x"))
 
 
@@ -177,6 +179,9 @@ def _as_dict(node):
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": 0}, "spec_factor"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
     ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.5}, "only for suffix"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "draft_vocab_size": 100}, "draft_vocab_size"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "quantization": 4}, "'quantization'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "only for draft_model"),
 ])
 def test_suffix_config_errors_name_the_field(value, field):
     with pytest.raises(InvalidRequestError, match=field):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from turbollm.errors import InvalidRequestError
 from turbollm.spec_decode.config import parse_speculative_config
 
-SPEC_METHODS_WIRED = ("ngram", "suffix")  # speculative methods the engine runs so far
+SPEC_METHODS_WIRED = ("ngram", "suffix", "draft_model")  # speculative methods the engine runs so far
 
 GiB = 1 << 30
 

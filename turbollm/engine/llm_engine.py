@@ -35,7 +35,8 @@ from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
-from turbollm.spec_decode.proposers import make_proposer
+from turbollm.spec_decode.draft_model import check_draft_model
+from turbollm.spec_decode.proposers import ProposerContext, make_proposer
 from turbollm.engine.sequence import Sequence
 from turbollm.errors import InvalidRequestError
 from turbollm.loader import LoadedModel, describe_model, load_model
@@ -51,6 +52,10 @@ class LLMEngine:
         self.args = args
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
+        spec = args.speculative_config
+        if spec is not None and spec.method == "draft_model":  # a draft that cannot serve fails before any load
+            check_draft_model(spec.model, loaded or describe_model(args.model, quantization=args.quantization),
+                              spec.quantization)
         if args.distributed_executor_backend == "uni":
             if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
                 torch.set_num_threads(args.threads)
@@ -85,12 +90,13 @@ class LLMEngine:
                            "kv_cache_memory for the full context)", model_len, self.kv_config.num_tokens)
             model_len = self.kv_config.num_tokens
         self.max_model_len = model_len
-        spec = args.speculative_config
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    max(args.max_num_batched_tokens, args.block_size), model_len,
-                                   make_proposer(spec) if spec is not None else None,
-                                   spec.num_speculative_tokens if spec is not None else 0)
+                                   None, spec.num_speculative_tokens if spec is not None else 0)
         self.executor = executor_cls(args, self.kv_config, loaded)
+        if spec is not None:
+            self.scheduler.proposer = make_proposer(spec, ProposerContext(
+                args, self.kv_config, desc, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0]))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
 

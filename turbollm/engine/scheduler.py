@@ -29,6 +29,7 @@ text, are the output processor's. Blocks and the prefix cache are `KVCacheManage
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,6 +66,7 @@ class Scheduler:
         # verified steps, draft tokens proposed, drafts accepted (vLLM's spec_decode counters)
         self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_accepted_per_pos = [0] * num_spec_tokens  # drafts accepted at each position 0..K-1
+        self.propose_seconds = 0.0  # time spent in the proposer (the benchmark's draft / verify split)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -103,6 +105,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.proposer is not None:
+            self.proposer.preempted(seq.seq_id)
         if seq.known_to_workers:
             out.preempted_seq_ids.append(seq.seq_id)
             self._resumed.add(seq.seq_id)
@@ -122,16 +126,26 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            k = 0
             if n == 1 and self.proposer is not None:
                 # rows left for drafts: the tokens scheduled so far and one per running sequence after this one
                 rows = self.max_num_batched_tokens - budget + (len(running) - idx - 1)
-                d = self._drafts(seq, min(budget, ROW_INVARIANT_ROWS - rows) - 1)
-                if d:
-                    drafts[seq.seq_id] = d
-                    n += len(d)
+                k = self._draft_limit(seq, min(budget, ROW_INVARIANT_ROWS - rows) - 1)
+                if k and not self.proposer.needs_blocks:
+                    d = self._propose(seq, k)
+                    k = 0
+                    if d:
+                        drafts[seq.seq_id] = d
+                        n += len(d)
+                else:  # blocks for k drafts first (k may be 0): the proposer writes their K/V
+                    n += k
             replaced = self.kv.release_out_of_window(seq)
             shared = self.kv.shared_write_block(seq)
             need = self.kv.blocks_needed(seq, n) + (shared is not None)
+            if (k or seq.seq_id in drafts) and not self.kv.can_allocate(need):  # drafts preempt no one
+                n, k = 1, 0
+                drafts.pop(seq.seq_id, None)
+                need = self.kv.blocks_needed(seq, n) + (shared is not None)
             while not self.kv.can_allocate(need) and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
             if not self.kv.can_allocate(need):
@@ -146,6 +160,11 @@ class Scheduler:
                     out.copy_blocks.append((group, src, dst))
                     replaced.append((group, shared))
             self.kv.grow(seq, n)
+            if k:
+                d = self._propose(seq, k)
+                n -= k - len(d)  # the blocks of drafts not made stay with the sequence for its next tokens
+                if d:
+                    drafts[seq.seq_id] = d
             chosen.append((seq, n, replaced))
             budget -= n
         while self.waiting and budget > 0 and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
@@ -201,20 +220,27 @@ class Scheduler:
         if c + n == seq.num_tokens and seq.pending_forks:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
 
-    def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """Draft tokens for a decode of `seq`, or none: any sampling settings speculate (the workers
-        verify each row with its own history, `ModelRunner._verify`), but not a prompt that still has
-        n > 1 siblings to fork, and never past max_tokens, the context, the step's token budget or,
-        with the tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        t0 = time.perf_counter()
+        try:
+            return self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
+        finally:
+            self.propose_seconds += time.perf_counter() - t0
+
+    def _draft_limit(self, seq: Sequence, room: int) -> int:
+        """How many draft tokens a decode of `seq` may verify this step: any sampling settings speculate
+        (the workers verify each row with its own history, `ModelRunner._verify`), but not a prompt that
+        still has n > 1 siblings to fork, and never past max_tokens, the context, the step's token budget
+        or, with the tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
         p = seq.params
         if seq.pending_forks:
-            return []
+            return 0
         k = min(self.num_spec_tokens, room)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.seq_id, seq.all_token_ids, k) if k > 0 else []
+        return max(k, 0)
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""

@@ -4,4 +4,4 @@ model verifies them in one step. This package holds the configuration (`config.p
 the registry, prompt lookup; `suffix.py`: suffix trees). The scheduler drafts (`Scheduler._drafts`)
 and the runner verifies (`ModelRunner._verify`)."""
 
-from turbollm.spec_decode import proposers, suffix  # noqa: F401 - the registry's entries
+from turbollm.spec_decode import draft_model, proposers, suffix  # noqa: F401 - the registry's entries

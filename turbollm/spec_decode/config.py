@@ -29,7 +29,9 @@ ROW_INVARIANT_ROWS = 16
 MAX_SPECULATIVE_TOKENS = 7
 _SUFFIX_FIELDS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                   "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
-_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"} | _SUFFIX_FIELDS
+_DRAFT_FIELDS = {"quantization", "draft_vocab_size"}
+_FIELDS = ({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
+           | _SUFFIX_FIELDS | _DRAFT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest (tried first)
     model: str | None = None  # draft_model: the draft checkpoint or catalog name
     adaptive: bool = True
+    # draft_model: the draft's weights quantized at load (vLLM's name; None: the checkpoint's own)
+    quantization: str | None = None
+    # draft_model (our own field): the draft's LM head covers token ids 0..N-1 only, so a draft step
+    # reads N rows of it instead of the whole vocabulary. BPE vocabularies are numbered in merge
+    # order, so the first ids are the most frequent pieces; a target token outside them is a rejected
+    # draft, never a wrong output. None: the whole vocabulary.
+    draft_vocab_size: int | None = None
     # suffix (vLLM's names): the trees index every substring up to this many tokens
     suffix_decoding_max_tree_depth: int = 24
     # finished requests whose outputs the global tree keeps, oldest evicted first (0: per-request trees
@@ -112,4 +121,13 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
                 raise InvalidRequestError(f"speculative_config: {name!r} must be a number {bound}, got {v!r}")
             if v is not None:
                 suffix[name] = float(v)
-    return SpeculativeConfig(method, k, lo, hi, model, adaptive, **suffix)
+    draft = {name: value[name] for name in _DRAFT_FIELDS if name in value}
+    if draft and method != "draft_model":
+        raise InvalidRequestError(f"speculative_config: {', '.join(map(repr, sorted(draft)))} only for draft_model, "
+                                  f"not {method}")
+    if "draft_vocab_size" in draft:
+        _int_field(draft, "draft_vocab_size", None, 256, None)
+    q = draft.get("quantization")
+    if q is not None and (not isinstance(q, str) or not q):
+        raise InvalidRequestError(f"speculative_config: 'quantization' must be a method name, got {q!r}")
+    return SpeculativeConfig(method, k, lo, hi, model, adaptive, **draft, **suffix)

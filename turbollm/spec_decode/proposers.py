@@ -10,14 +10,30 @@ it runs wherever the scheduler does. `suffix.py` holds the suffix-tree proposer.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from turbollm.spec_decode.config import SpeculativeConfig
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may need of the engine beyond its config (a draft model: the engine's
+    arguments, the KV pool's geometry, where a sequence's block table is)."""
+
+    args: Any = None  # EngineArgs
+    kv_config: Any = None  # KVCacheConfig of the target
+    target: Any = None  # the target's ModelDescription (config, tokenizer)
+    block_table: Callable[[int], list[int]] | None = None  # seq_id -> its (group 0) block table, live
 
 
 class Proposer:
     """A draft source. Drafts are a function of the sequence's tokens and of what the proposer saw
     before (never random), so verification is rejection sampling with a one-hot q."""
+
+    #: the proposer writes K/V into the sequence's blocks (a draft model): the scheduler allocates the
+    #: blocks for the drafts' positions before asking
+    needs_blocks = False
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         """Up to k draft tokens to follow token_ids (fewer, or none, when it has no guess)."""
@@ -26,8 +42,11 @@ class Proposer:
     def finish(self, seq_id: int, output_token_ids: list[int]) -> None:
         """Sequence `seq_id` ended (finished, aborted or failed) with these generated tokens."""
 
+    def preempted(self, seq_id: int) -> None:
+        """Sequence `seq_id` lost its blocks (preempted): K/V written into them is gone."""
 
-PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {}
+
+PROPOSERS: dict[str, Callable[[SpeculativeConfig, ProposerContext], Proposer]] = {}
 
 
 def register_proposer(method: str):
@@ -37,16 +56,16 @@ def register_proposer(method: str):
     return deco
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, context: ProposerContext | None = None) -> Proposer:
     if config.method not in PROPOSERS:
         raise NotImplementedError(f"speculative method {config.method!r} has no proposer yet "
                                   f"(available: {', '.join(sorted(PROPOSERS))})")
-    return PROPOSERS[config.method](config)
+    return PROPOSERS[config.method](config, context or ProposerContext())
 
 
 @register_proposer("ngram")
 class NgramProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:

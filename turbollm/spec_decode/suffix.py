@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from turbollm.spec_decode.config import SpeculativeConfig
-from turbollm.spec_decode.proposers import Proposer, register_proposer
+from turbollm.spec_decode.proposers import Proposer, ProposerContext, register_proposer
 
 
 class _Node:
@@ -104,7 +104,7 @@ def _size(node: _Node) -> int:
 
 @register_proposer("suffix")
 class SuffixProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.depth = config.suffix_decoding_max_tree_depth
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.factor, self.min_prob = config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob
