@@ -15,7 +15,9 @@ from turbollm import LLM, SamplingParams
 from turbollm.errors import InvalidRequestError
 from turbollm.spec_decode.proposers import Proposer
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# K pinned (adaptive off): these tests are about verification; tests/test_spec_adaptive.py is about K
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def _tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.05}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.05, "adaptive": False}
 
 
 @pytest.mark.parametrize("quantization,config", [(None, SPEC), ("int8", SPEC), (None, SUFFIX)])

@@ -33,7 +33,7 @@ SETTINGS = {
     "T=1,top_k=20": dict(temperature=1.0, top_k=20),
     "T=1,penalties": dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
 }
-SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
 
 
 class GreedyOracle(Proposer):

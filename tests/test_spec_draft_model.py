@@ -45,7 +45,7 @@ def models(tmp_path_factory):
 
 
 def _draft(model: str, k: int = 4) -> dict:
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "adaptive": False}
 
 
 def test_target_drafting_for_itself_accepts_nearly_everything(models):
@@ -57,7 +57,7 @@ def test_target_drafting_for_itself_accepts_nearly_everything(models):
     assert _tokens(spec, prompts, greedy) == _tokens(plain, prompts, greedy)
     c = spec.engine.scheduler.spec_counts
     assert c["num_draft_tokens"] > 150 and c["num_accepted_tokens"] >= 0.95 * c["num_draft_tokens"], c
-    assert spec.engine.scheduler.proposer.runner.states == {}  # the draft's states go with their sequences
+    assert spec.engine.scheduler.proposer.runner.runner.states == {}  # the draft's states go with their sequences
 
 
 def test_other_draft_is_token_exact_through_preemption_and_siblings(models):
@@ -129,5 +129,5 @@ def test_trimmed_head_is_the_first_rows_of_the_full_head(models):
     prompts = _prompts(4, seed=23)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert _tokens(spec, prompts, greedy) == _tokens(plain, prompts, greedy)
-    assert spec.engine.scheduler.proposer.loaded.model.lm_head.vocab_size == 256
+    assert spec.engine.scheduler.proposer.runner.loaded.model.lm_head.vocab_size == 256
     assert spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0

@@ -9,6 +9,7 @@ import time
 
 from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
 from turbollm.cli.bench_serve_cmd import add_serve_bench
+from turbollm.cli.bench_spec_cmd import add_spec_bench
 
 
 def _rss_bytes() -> int:
@@ -29,6 +30,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_perf_benches(bsub)
     add_prefix_bench(bsub)
     add_serve_bench(bsub)
+    add_spec_bench(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ class QuantizationFlag(argparse._StoreAction):
         pass
 
 
-def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, speculative: bool = True) -> None:
     p.add_argument("--model", "-m", default=None if model_required else "smollm2-135m", required=model_required,
                    help="catalog name, GGUF file, HF folder or hub id (default: smollm2-135m)")
     p.add_argument("--quantization", default=None, action=QuantizationFlag)
@@ -48,9 +48,10 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False) -
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="speculative decoding, vLLM's names, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
-                        "4}' (so far: ngram, for greedy requests without stop strings or penalties)")
+    if speculative:  # (`bench spec` takes several)
+        p.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding, vLLM's names: '{\"method\": \"ngram\" | \"suffix\" | \"draft_model\", "
+                            "\"num_speculative_tokens\": K, ...}' (K adapts per step unless \"adaptive\": false)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 

@@ -35,6 +35,10 @@ from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
+from turbollm.engine.draft_runner import DraftRunner
+from turbollm.engine.step_profile import profile_step_costs
+from turbollm.spec_decode.adaptive import AdaptivePlanner
+from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.draft_model import check_draft_model
 from turbollm.spec_decode.proposers import ProposerContext, make_proposer
 from turbollm.engine.sequence import Sequence
@@ -96,7 +100,14 @@ class LLMEngine:
         self.executor = executor_cls(args, self.kv_config, loaded)
         if spec is not None:
             self.scheduler.proposer = make_proposer(spec, ProposerContext(
-                args, self.kv_config, desc, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0]))
+                args, self.kv_config, desc, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0],
+                make_draft_runner=lambda config: DraftRunner.load(config, args, self.kv_config)))
+            if spec.adaptive:  # the target's step cost by rows, measured now; then every step refines it
+                self.scheduler.planner = AdaptivePlanner(spec.num_speculative_tokens, ROW_INVARIANT_ROWS)
+                scratch = profile_step_costs(self.executor, self.kv_manager, self.scheduler.planner.costs,
+                                             self.scheduler.next_seq_id())
+                self.scheduler.finish_scratch(scratch)
+                self.scheduler.planner.profile_seq_id = scratch
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
 
@@ -200,7 +211,9 @@ class LLMEngine:
                 raise RuntimeError("internal error: the scheduler made no progress with requests waiting")
             return self.output_processor.outputs(touched)
         self._note_first_scheduled(sched)
+        t0 = time.perf_counter()
         out = self.executor.execute_model(sched)
+        self.scheduler.observe_step(sched, time.perf_counter() - t0)
         update = self.scheduler.update_from_output(sched, out)
         return self.output_processor.process(update, touched)
 

@@ -37,6 +37,7 @@ from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
 from turbollm.engine.sequence import Sequence, SequenceStatus
+from turbollm.spec_decode.adaptive import AdaptivePlanner
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.proposers import Proposer
 
@@ -67,6 +68,7 @@ class Scheduler:
         self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_accepted_per_pos = [0] * num_spec_tokens  # drafts accepted at each position 0..K-1
         self.propose_seconds = 0.0  # time spent in the proposer (the benchmark's draft / verify split)
+        self.planner: AdaptivePlanner | None = None  # adaptive speculation: drafts per sequence and step
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -120,6 +122,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         drafts: dict[int, list[int]] = {}
         running = list(self.running)
+        plan = self._plan(running) if self.proposer is not None and self.planner is not None else None
         for idx, seq in enumerate(running):
             if seq not in self.running or budget == 0:
                 continue
@@ -131,6 +134,8 @@ class Scheduler:
                 # rows left for drafts: the tokens scheduled so far and one per running sequence after this one
                 rows = self.max_num_batched_tokens - budget + (len(running) - idx - 1)
                 k = self._draft_limit(seq, min(budget, ROW_INVARIANT_ROWS - rows) - 1)
+                if plan is not None:
+                    k = min(k, plan.get(seq.seq_id, 0))
                 if k and not self.proposer.needs_blocks:
                     d = self._propose(seq, k)
                     k = 0
@@ -220,12 +225,33 @@ class Scheduler:
         if c + n == seq.num_tokens and seq.pending_forks:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
 
+    def _plan(self, running: list[Sequence]) -> dict[int, int]:
+        """Adaptive speculation: drafts per decode for this step (`AdaptivePlanner`), for a step whose rows
+        without drafts are every running sequence's tokens still to compute (within the budget)."""
+        base = min(sum(s.num_tokens - s.num_computed_tokens for s in running), self.max_num_batched_tokens)
+        limits = {s.seq_id: self._draft_limit(s, ROW_INVARIANT_ROWS - base) for s in running
+                  if s.num_tokens - s.num_computed_tokens == 1}
+        return self.planner.plan(limits, base)
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's measured time, for the adaptive cost model (decode and verification steps only)."""
+        if self.planner is None or sched.new_reqs:
+            return
+        spec = sched.spec_token_ids
+        if all(len(t) - len(spec.get(sid, ())) == 1 for sid, t in sched.scheduled_token_ids.items()):
+            self.planner.costs.observe(sum(map(len, sched.scheduled_token_ids.values())), seconds)
+
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         t0 = time.perf_counter()
+        drafts: list[int] = []
         try:
-            return self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
+            drafts = self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
+            return drafts
         finally:
-            self.propose_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.propose_seconds += seconds
+            if self.planner is not None:
+                self.planner.costs.observe_draft(len(drafts), seconds)
 
     def _draft_limit(self, seq: Sequence, room: int) -> int:
         """How many draft tokens a decode of `seq` may verify this step: any sampling settings speculate
@@ -241,6 +267,10 @@ class Scheduler:
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
         return max(k, 0)
+
+    def finish_scratch(self, seq_id: int) -> None:
+        """A sequence the engine ran on the workers outside the scheduler (a profile): they drop it next step."""
+        self._finished_ids.append(seq_id)
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
@@ -262,6 +292,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if self.proposer is not None and seq.seq_id in self.seqs:
             self.proposer.finish(seq.seq_id, seq.output_token_ids)
+        if self.planner is not None:
+            self.planner.forget(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
         self._resumed.discard(seq.seq_id)
         if seq.known_to_workers:
@@ -304,6 +336,8 @@ class Scheduler:
                 self.spec_counts["num_drafts"] += 1
                 self.spec_counts["num_draft_tokens"] += len(sched.spec_token_ids[sid])
                 self.spec_counts["num_accepted_tokens"] += len(sampled) - 1
+                if self.planner is not None:
+                    self.planner.record(sid, len(sched.spec_token_ids[sid]), len(sampled) - 1)
                 for pos in range(len(sampled) - 1):
                     self.spec_accepted_per_pos[pos] += 1
             for token in sampled:

@@ -1,6 +1,7 @@
 """Draft-model speculation: a smaller model with the target's tokenizer proposes the next tokens greedily.
 
-The draft runs in the engine's process with its own `ModelRunner` and its own paged K/V storage,
+The draft runs in the engine's process (`engine/draft_runner.py`, handed in as
+`ProposerContext.make_draft_runner`) with its own `ModelRunner` and its own paged K/V storage,
 allocated with the target pool's number of blocks and addressed through the target sequence's own
 block table (the same block ids: the scheduler allocates the blocks for the drafts' positions before
 asking, `Proposer.needs_blocks`). Per sequence it remembers how many tokens' draft K/V are valid; on
@@ -17,22 +18,15 @@ block tables are not the target's).
 
 from __future__ import annotations
 
-import logging
-
 from torch import nn
 
 from turbollm.config import ModelConfig
 from turbollm.layers.embedding import LMHead
 from turbollm.quantization.qtensor import mark_ggml
-from turbollm.engine.model_runner import ModelRunner, SeqState
-from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.errors import InvalidRequestError
-from turbollm.sampling_params import SamplingParams
 from turbollm.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from turbollm.spec_decode.proposers import Proposer, ProposerContext, register_proposer
 
-logger = logging.getLogger("turbollm")
-_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 def approx_num_params(cfg: ModelConfig) -> int:
@@ -82,72 +76,51 @@ class DraftModelProposer(Proposer):
     needs_blocks = True
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
-        from turbollm.attention import get_attention_backend
-        from turbollm.engine.kv_cache_spec import KVCacheConfig, allocate_kv_storage
-        from turbollm.loader import load_model
-        from turbollm.quantization.base import set_qmatmul
-
-        args, kv_config = context.args, context.kv_config
-        if context.block_table is None or kv_config is None or args is None:
+        if context.block_table is None or context.make_draft_runner is None:
             raise InvalidRequestError("speculative_config: a draft model runs inside an engine (no engine context)")
         if context.target is not None:
             check_draft_model(config.model, context.target, config.quantization)
-        self.loaded = load_model(config.model, quantization=config.quantization)
-        if config.draft_vocab_size is not None and config.draft_vocab_size < self.loaded.config.vocab_size:
-            self.loaded.model.lm_head = trimmed_head(self.loaded.model.lm_head, config.draft_vocab_size)
-        set_qmatmul(self.loaded.model, args.qmatmul)
-        draft_kv = KVCacheConfig.for_model(self.loaded.config, kv_config.num_blocks, kv_config.block_size,
-                                           kv_config.dtype)
-        logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, self.loaded.weights_storage,
-                    draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
-        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(draft_kv), kv_config.block_size,
-                                  get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
-                                  layer_groups=draft_kv.layer_groups)
+        self.runner = context.make_draft_runner(config)  # engine/draft_runner.py: the model, its K/V
         self.block_table = context.block_table
-        self.block_size = kv_config.block_size
-        self.tables_seen: dict[int, list[int]] = {}  # per sequence: its table's entries under the valid K/V
-        self.draft_seconds = 0.0
+        self.block_size = context.kv_config.block_size
+        # per sequence: the tokens the draft computed (the K/V of all but the last are written), and its
+        # table's entries under them
+        self.computed: dict[int, list[int]] = {}
+        self.tables_seen: dict[int, list[int]] = {}
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         table = self.block_table(seq_id)
-        st = self.runner.states.get(seq_id)
-        if st is None:
-            st = SeqState(params=_GREEDY, token_ids=[], num_prompt_tokens=len(token_ids), seq_id=seq_id, index=0,
-                          block_ids=(table,), num_computed_tokens=0)
-            self.runner.states[seq_id] = st
-        st.block_ids = (table,)
-        valid = self._valid(st, token_ids, table)
-        st.token_ids, st.num_computed_tokens = list(token_ids), valid
-        drafts: list[int] = []
-        step = token_ids[valid:]
+        valid = self._valid(seq_id, token_ids, table)
+        tokens, drafts = list(token_ids), []
         while len(drafts) < k:
-            out = self.runner.execute_model(SchedulerOutput(scheduled_token_ids={seq_id: step}))
-            sampled = out.sampled.get(seq_id)
-            if not sampled:  # the draft's sampling failed: no (more) drafts this time
+            t = self.runner.run(seq_id, tokens, valid, table)
+            if t is None:  # the draft's sampling failed: no (more) drafts this time
                 break
-            drafts.append(sampled[0].token_id)
-            step = [drafts[-1]]
-        # the K/V of every token but the last draft is now written
-        self.tables_seen[seq_id] = list(table[:-(-st.num_computed_tokens // self.block_size)])
+            valid = len(tokens)
+            tokens.append(t)
+            drafts.append(t)
+        self.computed[seq_id] = tokens[:valid]
+        self.tables_seen[seq_id] = list(table[:-(-valid // self.block_size)])
         return drafts
 
-    def _valid(self, st: SeqState, token_ids: list[int], table: list[int]) -> int:
+    def _valid(self, seq_id: int, token_ids: list[int], table: list[int]) -> int:
         """How many leading tokens' draft K/V still hold: the ones computed for these same tokens, in
         blocks that are still the sequence's."""
-        valid = min(st.num_computed_tokens, len(token_ids) - 1)
-        seen = self.tables_seen.get(st.seq_id, [])
+        done = self.computed.get(seq_id, [])
+        valid = min(len(done), len(token_ids) - 1)
+        seen = self.tables_seen.get(seq_id, [])
         for i in range(min(len(seen), -(-valid // self.block_size))):
             if i >= len(table) or seen[i] != table[i]:
                 valid = min(valid, i * self.block_size)
                 break
-        start = max(0, valid - MAX_SPECULATIVE_TOKENS - 1)  # only the last step's drafts can differ
-        for i in range(start, valid):
-            if st.token_ids[i] != token_ids[i]:
+        for i in range(max(0, valid - MAX_SPECULATIVE_TOKENS - 1), valid):  # only the last drafts can differ
+            if done[i] != token_ids[i]:
                 return i
         return valid
 
     def finish(self, seq_id: int, output_token_ids: list[int]) -> None:
-        self.runner.states.pop(seq_id, None)
+        self.runner.drop(seq_id)
+        self.computed.pop(seq_id, None)
         self.tables_seen.pop(seq_id, None)
 
     def preempted(self, seq_id: int) -> None:
