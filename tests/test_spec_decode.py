@@ -238,3 +238,69 @@ def test_preemption_and_n_siblings_with_speculation(tiny):
     got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("config,message", [
+    ('{"method": "ngram"', "not valid JSON"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "'method' must be one of"),
+    ('{"method": "ngram", "num_speculative_tokens": 12}', "'num_speculative_tokens' must be 1..7"),
+])
+def test_cli_refuses_a_bad_speculative_config_before_loading(command, config, message, capsys, monkeypatch):
+    """`serve` / `generate` with a config that does not parse: exit 1 with the field named, nothing loaded."""
+    from turbollm.cli.main import main
+
+    monkeypatch.setattr("turbollm.engine.llm_engine.load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    argv = [command, "-m", "smollm2-135m", "--speculative-config", config]
+    if command == "generate":
+        argv += ["--prompt", "hi"]
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", [SPEC, SUFFIX])
+def test_streaming_and_abort_with_speculation(tiny, config):
+    """Streams get several tokens per verified step and add up to the offline output; aborting a
+    speculating request mid-way returns its blocks and the proposer's state for it."""
+    import asyncio
+
+    from turbollm.entrypoints.async_engine import AsyncLLMEngine
+    from turbollm.entrypoints.streaming import DeltaTracker
+
+    spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=config)
+    if config is SPEC:  # drafts that are always right: every step verifies several tokens
+        spec.engine.scheduler.proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
+    prompts = _prompts(2, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = _tokens(spec, prompts, params)  # (suffix: now its global tree holds these outputs)
+
+    async def body():
+        aengine = AsyncLLMEngine(spec.engine)
+        try:
+            outs = [o async for o in aengine.generate(prompts[0], params, "a")]
+            partial, stream = [], aengine.generate(prompts[1], params, "b")
+            async for o in stream:
+                partial.append(o)
+                if len(o.outputs[0].token_ids) >= 6:
+                    break
+            await stream.aclose()  # leaving the stream aborts the request
+            for _ in range(200):
+                if not spec.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            return outs, partial
+        finally:
+            await aengine.shutdown()
+
+    outs, partial = asyncio.run(body())
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths[-1] == 24 and max(b - a for a, b in zip([0] + lengths, lengths)) > 1  # several per step
+    tracker, ids = DeltaTracker(), []
+    for o in outs:
+        for d in tracker.update(o):
+            ids += d.token_ids
+    assert ids == outs[-1].outputs[0].token_ids == want[0]
+    assert partial[-1].outputs[0].token_ids == want[1][:len(partial[-1].outputs[0].token_ids)]
+    assert not spec.engine.has_unfinished_requests() and spec.engine.kv_manager.num_used == 0
+    if config is SUFFIX:
+        assert spec.engine.scheduler.proposer.requests == {}  # the aborted sequence's tree is gone

@@ -98,9 +98,10 @@ def _substring_counts(seqs: list[list[int]], depth: int) -> collections.Counter:
 
 
 def _suffix_reference(counts, context, k, depth, factor, min_prob):
-    """Brute force over substring counts: the longest suffix (< depth) with a continuation, then the most
-    frequent next token (ties: lowest id) while the product of count ratios stays >= min_prob."""
-    for m in range(min(len(context), depth - 1), 0, -1):
+    """Brute force over substring counts: the longest suffix (at most depth - k, at least 1) with a
+    continuation, then the most frequent next token (ties: lowest id) while the product of count
+    ratios stays >= min_prob."""
+    for m in range(min(len(context), max(1, depth - k)), 0, -1):
         pattern = tuple(context[len(context) - m:])
         nexts = {key[-1]: c for key, c in counts.items() if len(key) == m + 1 and key[:-1] == pattern}
         if not nexts:

@@ -251,7 +251,11 @@ class Scheduler:
             seconds = time.perf_counter() - t0
             self.propose_seconds += seconds
             if self.planner is not None:
-                self.planner.costs.observe_draft(len(drafts), seconds)
+                own = self.proposer.seconds_per_draft  # a draft model: its one-token steps (no catch-up)
+                if own is not None:
+                    self.planner.costs.draft_seconds = own
+                else:
+                    self.planner.costs.observe_draft(len(drafts), seconds)
 
     def _draft_limit(self, seq: Sequence, room: int) -> int:
         """How many draft tokens a decode of `seq` may verify this step: any sampling settings speculate

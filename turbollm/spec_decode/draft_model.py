@@ -4,29 +4,32 @@ The draft runs in the engine's process (`engine/draft_runner.py`, handed in as
 `ProposerContext.make_draft_runner`) with its own `ModelRunner` and its own paged K/V storage,
 allocated with the target pool's number of blocks and addressed through the target sequence's own
 block table (the same block ids: the scheduler allocates the blocks for the drafts' positions before
-asking, `Proposer.needs_blocks`). Per sequence it remembers how many tokens' draft K/V are valid; on
-the next call that count falls back to the first position where the sequence's tokens differ from the
-ones the draft computed (the rejected drafts) or where the block table changed (copy-on-write), and
-to zero after a preemption (`preempted`: the blocks may have served others meanwhile), and the draft catches up from there in one step (the prompt at the first call, then
-the last verified tokens) before drafting k tokens one step each. Drafts are greedy (the argmax of
-the draft's logits), so verification is rejection sampling with a one-hot q.
+asking, `Proposer.needs_blocks`). Per sequence it remembers which tokens' draft K/V are written; on
+the next call that count falls back to the first position where the sequence's tokens differ from
+the ones the draft computed (the rejected drafts) or where the block table changed (copy-on-write),
+and to zero after a preemption (`preempted`: the blocks may have served others meanwhile); the
+draft catches up from there in one step (the prompt at the first call, then the last verified
+tokens) that also drafts the first token, then drafts one token per step. Drafts are greedy (the
+argmax of the draft's logits), so verification is rejection sampling with a one-hot q.
 
-`check_draft_model` refuses, before any weights load, a draft whose tokenizer differs from the
-target's, one with more parameters than the target, and models with sliding-window layers (their
-block tables are not the target's).
+`check_draft_model` (called by the engine before any weights load) refuses a draft whose tokenizer
+differs from the target's, one with more parameters than the target, and models with
+sliding-window layers (their block tables are not the target's).
 """
 
 from __future__ import annotations
 
+import time
+
 from torch import nn
 
 from turbollm.config import ModelConfig
+from turbollm.errors import InvalidRequestError
 from turbollm.layers.embedding import LMHead
 from turbollm.quantization.qtensor import mark_ggml
-from turbollm.errors import InvalidRequestError
+from turbollm.spec_decode.adaptive import StepCosts
 from turbollm.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from turbollm.spec_decode.proposers import Proposer, ProposerContext, register_proposer
-
 
 
 def approx_num_params(cfg: ModelConfig) -> int:
@@ -78,8 +81,6 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         if context.block_table is None or context.make_draft_runner is None:
             raise InvalidRequestError("speculative_config: a draft model runs inside an engine (no engine context)")
-        if context.target is not None:
-            check_draft_model(config.model, context.target, config.quantization)
         self.runner = context.make_draft_runner(config)  # engine/draft_runner.py: the model, its K/V
         self.block_table = context.block_table
         self.block_size = context.kv_config.block_size
@@ -87,13 +88,22 @@ class DraftModelProposer(Proposer):
         # table's entries under them
         self.computed: dict[int, list[int]] = {}
         self.tables_seen: dict[int, list[int]] = {}
+        # the draft's step time by tokens computed (catch-up steps compute several): a further draft
+        # token costs a one-token step
+        self.costs = StepCosts(16)
+
+    @property
+    def seconds_per_draft(self) -> float:
+        return self.costs.step_seconds(1)  # 0 before anything was measured: drafts start out cheap
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         table = self.block_table(seq_id)
         valid = self._valid(seq_id, token_ids, table)
         tokens, drafts = list(token_ids), []
         while len(drafts) < k:
+            t0 = time.perf_counter()
             t = self.runner.run(seq_id, tokens, valid, table)
+            self.costs.observe(len(tokens) - valid, time.perf_counter() - t0)  # (a prompt's prefill: too long)
             if t is None:  # the draft's sampling failed: no (more) drafts this time
                 break
             valid = len(tokens)

@@ -35,6 +35,9 @@ class Proposer:
     #: the proposer writes K/V into the sequence's blocks (a draft model): the scheduler allocates the
     #: blocks for the drafts' positions before asking
     needs_blocks = False
+    #: the proposer's own measure of what one more draft token costs (seconds), when its calls also do
+    #: other work (a draft model catching up on verified tokens); None: the scheduler times the calls
+    seconds_per_draft: float | None = None
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         """Up to k draft tokens to follow token_ids (fewer, or none, when it has no guess)."""

@@ -5,7 +5,8 @@ Two depth-bounded suffix trees (`SuffixTrie`: every substring of at most `depth`
 added, with its number of occurrences): one per running request over its prompt and output, extended
 a token at a time, and one global tree over the outputs of the last `max_cached_requests` finished
 requests, the oldest evicted (its substrings' counts taken back) as new ones arrive. To propose, the
-longest suffix of the sequence (up to depth - 1 tokens) that has a continuation in a tree is matched,
+longest suffix of the sequence (up to depth - k tokens, leaving room for k drafts below it) that has
+a continuation in a tree is matched,
 then the most frequent child is followed while the product of the count ratios (an estimate of the
 probability that the target continues that way) stays at or above `min_token_prob`, for at most
 k and `max_spec_factor` × the pattern's length tokens. Of the two trees' drafts the one with the
@@ -77,9 +78,9 @@ class SuffixTrie:
 
     def draft(self, context: list[int], k: int, max_spec_factor: float, min_prob: float
               ) -> tuple[list[int], float]:
-        """Drafts after the longest suffix of `context` with a continuation here, and their expected
-        number of accepted tokens."""
-        for m in range(min(len(context), self.depth - 1), 0, -1):
+        """Drafts after the longest suffix of `context` with a continuation here (at most depth - k tokens
+        long, so that k drafts fit under the depth), and their expected number of accepted tokens."""
+        for m in range(min(len(context), max(1, self.depth - k)), 0, -1):
             node = self.find(context[len(context) - m:])
             if node is None or not node.children:
                 continue
