@@ -1,6 +1,7 @@
 """The target's step time by rows, measured at start-up for the adaptive speculation planner
 (turbollm/spec_decode/adaptive.py: `StepCosts`): a scratch sequence takes a few blocks of the pool,
-prefills a short prompt, then runs decode-shaped steps of R tokens for a few R, each timed through
+prefills a short prompt, then runs verification-shaped steps of R tokens for a few R (every row
+sampled, as a step that verifies R - 1 drafts samples them), each timed through
 the executor (a worker process included) as the engine's steps are; its blocks go back to the pool
 and the workers drop it at the next step."""
 
@@ -33,8 +34,10 @@ def profile_step_costs(executor, kv, costs: StepCosts, seq_id: int, rows=(1, 2, 
         done = context
         for round_ in range(repeats + 1):  # the first round warms up and is not counted
             for r in rows:
+                # the R - 1 tokens after the first as drafts: every row is sampled, as in a verification
                 sched = SchedulerOutput(cached_reqs=[CachedRequestData(seq_id, tuple([] for _ in tables), done)],
-                                        scheduled_token_ids={seq_id: [1] * r})
+                                        scheduled_token_ids={seq_id: [1] * r},
+                                        spec_token_ids={seq_id: [1] * (r - 1)} if r > 1 else {})
                 t0 = time.perf_counter()
                 executor.execute_model(sched)
                 if round_ > 0:
