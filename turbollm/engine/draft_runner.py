@@ -22,8 +22,8 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 class DraftRunner:
-    def __init__(self, loaded, runner: ModelRunner, kv_bytes: int):
-        self.loaded, self.runner, self.kv_bytes = loaded, runner, kv_bytes
+    def __init__(self, loaded, runner: ModelRunner):
+        self.loaded, self.runner = loaded, runner
 
     @classmethod
     def load(cls, config, args, kv_config) -> "DraftRunner":
@@ -43,7 +43,7 @@ class DraftRunner:
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), kv_config.block_size,
                              get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                              layer_groups=draft_kv.layer_groups)
-        return cls(loaded, runner, draft_kv.total_bytes)
+        return cls(loaded, runner)
 
     def run(self, seq_id: int, token_ids: list[int], num_computed: int, table: list[int]) -> int | None:
         """Compute token_ids[num_computed:] (K/V into `table`'s blocks); the greedy next token, or None

@@ -7,8 +7,6 @@ from dataclasses import dataclass, fields
 from turbollm.errors import InvalidRequestError
 from turbollm.spec_decode.config import parse_speculative_config
 
-SPEC_METHODS_WIRED = ("ngram", "suffix", "draft_model")  # speculative methods the engine runs so far
-
 GiB = 1 << 30
 
 
@@ -82,8 +80,8 @@ class EngineArgs:
     # loads the model; plain data crosses the process boundary each step)
     distributed_executor_backend: str = "uni"
     # speculative decoding (turbollm/spec_decode): vLLM's speculative_config, a dict or its JSON text;
-    # parsed into a SpeculativeConfig here (every bad field named before anything loads). Wired so far:
-    # "ngram" for greedy requests without stop strings or penalties (the others decode plainly)
+    # parsed into a SpeculativeConfig here (every bad field named before anything loads): "ngram",
+    # "suffix" or "draft_model" (a draft model is checked against the target by the engine, unloaded)
     speculative_config: object = None
 
     def __post_init__(self) -> None:
@@ -101,9 +99,6 @@ class EngineArgs:
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
                                       "'uni' (the worker in this process) or 'mp' (a worker process)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method not in SPEC_METHODS_WIRED:
-            raise InvalidRequestError(f"speculative_config: method {self.speculative_config.method!r} is not "
-                                      f"available yet (available: {', '.join(SPEC_METHODS_WIRED)})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")

@@ -36,17 +36,17 @@ from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
 from turbollm.engine.draft_runner import DraftRunner
-from turbollm.engine.step_profile import profile_step_costs
-from turbollm.spec_decode.adaptive import AdaptivePlanner
-from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
-from turbollm.spec_decode.draft_model import check_draft_model
-from turbollm.spec_decode.proposers import ProposerContext, make_proposer
 from turbollm.engine.sequence import Sequence
+from turbollm.engine.step_profile import profile_step_costs
 from turbollm.errors import InvalidRequestError
 from turbollm.loader import LoadedModel, describe_model, load_model
 from turbollm.log import init_logger
 from turbollm.outputs import RequestOutput
 from turbollm.sampling_params import SamplingParams
+from turbollm.spec_decode.adaptive import AdaptivePlanner
+from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
+from turbollm.spec_decode.draft_model import check_draft_model
+from turbollm.spec_decode.proposers import ProposerContext, make_proposer
 
 logger = init_logger()
 
@@ -100,7 +100,7 @@ class LLMEngine:
         self.executor = executor_cls(args, self.kv_config, loaded)
         if spec is not None:
             self.scheduler.proposer = make_proposer(spec, ProposerContext(
-                args, self.kv_config, desc, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0],
+                args, self.kv_config, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0],
                 make_draft_runner=lambda config: DraftRunner.load(config, args, self.kv_config)))
             if spec.adaptive:  # the target's step cost by rows, measured now; then every step refines it
                 self.scheduler.planner = AdaptivePlanner(spec.num_speculative_tokens, ROW_INVARIANT_ROWS)
@@ -189,9 +189,13 @@ class LLMEngine:
             "kv_cache_usage": pool.usage, "prefix_cache_queries": pool.stats.queries,
             "prefix_cache_hits": pool.stats.hits, "prefix_cache_evictions": pool.stats.evictions,
             "num_preemptions": sched.num_preemptions,
-            **({**{"spec_decode_" + k: v for k, v in sched.spec_counts.items()},
-                "spec_decode_accepted_per_pos": list(sched.spec_accepted_per_pos)} if sched.proposer is not None else {}),
+            **(self._spec_stats() if sched.proposer is not None else {}),
         }
+
+    def _spec_stats(self) -> dict[str, int | list[int]]:
+        sched = self.scheduler
+        return {**{"spec_decode_" + k: v for k, v in sched.spec_counts.items()},
+                "spec_decode_accepted_per_pos": list(sched.spec_accepted_per_pos)}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -17,7 +17,7 @@ from turbollm.spec_decode.adaptive import StepCosts
 
 def profile_step_costs(executor, kv, costs: StepCosts, seq_id: int, rows=(1, 2, 4, 8, 16), repeats: int = 3,
                        context: int = 64) -> int:
-    """Time the target's decode-shaped steps at a few row counts on a scratch sequence (a `context`-token
+    """Time the target's verification-shaped steps at a few row counts on a scratch sequence (a `context`-token
     prompt, then steps of R tokens), feeding `costs`; returns the scratch sequence's id, which the
     caller reports finished to the workers. Its blocks go back to the pool."""
     params = SamplingParams(temperature=0.0, max_tokens=None)

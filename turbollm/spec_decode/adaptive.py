@@ -113,7 +113,6 @@ class AdaptivePlanner:
     def __init__(self, max_k: int, max_rows: int):
         self.costs = StepCosts(max_rows)
         self.acceptance = Acceptance(max_k)
-        self.max_k = max_k
         self.idle_steps: dict[int, int] = {}  # seq_id -> steps in a row planned at 0 drafts
         self.profile_seq_id: int | None = None  # the start-up profile's scratch sequence
 

@@ -110,8 +110,9 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise InvalidRequestError(f"speculative_config: {', '.join(map(repr, sorted(suffix)))} only for suffix, "
                                   f"not {method}")
     if suffix:
-        _int_field(suffix, "suffix_decoding_max_tree_depth", 24, 2, 1024)
-        _int_field(suffix, "suffix_decoding_max_cached_requests", 1000, 0, None)
+        _int_field(suffix, "suffix_decoding_max_tree_depth", SpeculativeConfig.suffix_decoding_max_tree_depth, 2, 1024)
+        _int_field(suffix, "suffix_decoding_max_cached_requests", SpeculativeConfig.suffix_decoding_max_cached_requests,
+                   0, None)
         for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
                                 ("suffix_decoding_min_token_prob", 0.0, 1.0)):
             v = suffix.get(name)

@@ -23,7 +23,6 @@ class ProposerContext:
 
     args: Any = None  # EngineArgs
     kv_config: Any = None  # KVCacheConfig of the target
-    target: Any = None  # the target's ModelDescription (config, tokenizer)
     block_table: Callable[[int], list[int]] | None = None  # seq_id -> its (group 0) block table, live
     make_draft_runner: Callable[[SpeculativeConfig], Any] | None = None  # engine/draft_runner.py's DraftRunner.load
 
