@@ -93,13 +93,21 @@ def test_prefix_hit_is_what_every_group_still_holds():
     # the sliding group released the hit blocks its window cannot see (positions < 12 - 8 + 1)
     assert b.block_tables[1][0] == NULL_BLOCK and b.block_tables[0][0] != NULL_BLOCK
     sched.finish(b)
-    # evict the sliding group's first cached block only: a third request then hits nothing
+    # evict the sliding group's first cached block: a hit of 3 blocks does not need it (its window
+    # starts at position 5), so a third request still hits 12 tokens
     kv.pools[1].cached.pop(kv.keys[1] + b.block_hashes[0])
     c = _seq(2, prompt + [98])
     sched.add(c)
     out = _step(sched)
-    assert [len(t) for t in out.scheduled_token_ids.values()] == [14]
+    assert [len(t) for t in out.scheduled_token_ids.values()] == [2] and c.block_tables[1][0] == NULL_BLOCK
     sched.finish(c)
+    # evict its third block too: a 2-block hit would need positions 1..7, block 0 among them: no hit
+    kv.pools[1].cached.pop(kv.keys[1] + b.block_hashes[2])
+    d = _seq(3, prompt + [97])
+    sched.add(d)
+    out = _step(sched)
+    assert [len(t) for t in out.scheduled_token_ids.values()] == [14]
+    sched.finish(d)
     assert kv.pools[0].num_used == kv.pools[1].num_used == 0
 
 

@@ -7,6 +7,7 @@ import json
 import resource
 import time
 
+from turbollm.cli.bench_kv_cmd import add_kv_bench
 from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
 from turbollm.cli.bench_serve_cmd import add_serve_bench
 from turbollm.cli.bench_spec_cmd import add_spec_bench
@@ -31,6 +32,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_prefix_bench(bsub)
     add_serve_bench(bsub)
     add_spec_bench(bsub)
+    add_kv_bench(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

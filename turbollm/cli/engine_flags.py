@@ -23,7 +23,13 @@ class QuantizationFlag(argparse._StoreAction):
         pass
 
 
-def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, speculative: bool = True) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, speculative: bool = True,
+                     several: tuple[str, ...] = ()) -> None:
+    """The engine flags on `p`; those named in `several` (dests) take one or more values (a benchmark
+    that runs each), default None."""
+    def multi(dest: str, default):
+        return {"nargs": "+", "default": None} if dest in several else {"default": default}
+
     p.add_argument("--model", "-m", default=None if model_required else "smollm2-135m", required=model_required,
                    help="catalog name, GGUF file, HF folder or hub id (default: smollm2-135m)")
     p.add_argument("--quantization", default=None, action=QuantizationFlag)
@@ -32,10 +38,13 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache budget in GiB")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtype", **multi("kv_cache_dtype", "auto"), choices=list(KV_CACHE_DTYPES),
                    help="K/V storage: float32, or float16 (half the bytes attention reads; values rounded to "
                         "fp16); auto (default): float16 for quantized weights (GGUF block types, --quantization "
                         "int8/int4/int3, GPTQ/AWQ folders), as llama.cpp, float32 for the fp32 reference")
+    p.add_argument("--kv-policy", **multi("kv_policy", "auto"),
+                   help="which K/V each layer keeps: auto (default; sliding-window layers such as Gemma 3's release "
+                        "the blocks their window has passed), dense (every layer keeps every block)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -63,6 +72,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         block_size=ns.block_size,
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
-        kv_cache_dtype=ns.kv_cache_dtype, enforce_eager=ns.enforce_eager,
+        kv_cache_dtype=ns.kv_cache_dtype, kv_policy=getattr(ns, "kv_policy", "auto"), enforce_eager=ns.enforce_eager,
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
         speculative_config=getattr(ns, "speculative_config", None))

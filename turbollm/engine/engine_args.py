@@ -68,6 +68,9 @@ class EngineArgs:
     # fp16 when stored); "auto": float16 for a GGUF model in its own block types (llama.cpp's
     # default), float32 (the compute dtype) otherwise
     kv_cache_dtype: str = "auto"
+    # which K/V each layer keeps (turbollm/engine/kv_policy.py): "auto" (sliding-window layers release
+    # the blocks their window passed) or "dense" (every layer keeps every block)
+    kv_policy: str = "auto"
     # True: every step runs the layers as PyTorch modules; False: decode steps and steps of a few
     # tokens run all layers in one C++ call with the same kernels (engine/fused_step.py; same
     # results, less Python)
@@ -99,6 +102,9 @@ class EngineArgs:
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
                                       "'uni' (the worker in this process) or 'mp' (a worker process)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        from turbollm.engine.kv_policy import get_kv_policy
+
+        get_kv_policy(self.kv_policy)  # an unknown name: InvalidRequestError naming the choices
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")

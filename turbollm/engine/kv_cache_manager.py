@@ -10,8 +10,9 @@ become `NULL_BLOCK`); a full-attention group keeps every block until the sequenc
 Full blocks are indexed in each group's prefix cache by a digest chained over every token before
 them (`kv_cache.hash_block`), rooted in the model's salt and keyed per group with the group's
 spec (KV dtype, layout, window), so a new sequence can start from the longest prefix that every
-group still holds (always leaving one token to compute). A block shared with another sequence
-(n > 1 siblings) is copied before a sequence writes into it, in every group.
+group still holds (always leaving one token to compute) — a sliding-window group only the blocks
+its window still sees from there, its older entries `NULL_BLOCK`. A block shared with another
+sequence (n > 1 siblings) is copied before a sequence writes into it, in every group.
 """
 
 from __future__ import annotations
@@ -29,20 +30,23 @@ def _digest(data: bytes) -> bytes:
 
 class KVCacheManager:
     def __init__(self, block_size: int, pools: list[BlockPool], specs: list[KVCacheSpec | None] | None = None,
-                 salts: list[bytes] | None = None, root: bytes = b""):
+                 salts: list[bytes] | None = None, root: bytes = b"", block_bytes: list[int] | None = None):
         self.block_size, self.pools = block_size, pools
         self.specs = specs or [None] * len(pools)  # None: full attention
         self.keys = [_digest(s) for s in salts] if salts else [b""] * len(pools)
         self.root = _digest(root) if root else None
+        self.block_bytes = block_bytes or [0] * len(pools)  # K/V bytes of one block of each group
+        self.peak_bytes = 0  # the most K/V bytes in use at once since start (`note_usage`)
         self.stats = CacheStats()
         for p in pools:
             p.stats = self.stats  # evictions from every group land in one set of counters
 
     @classmethod
     def from_config(cls, config: KVCacheConfig, enable_caching: bool = True) -> "KVCacheManager":
-        pools = [BlockPool(config.num_blocks, enable_caching) for _ in config.groups]
+        pools = [BlockPool(config.blocks_of(g), enable_caching) for g in range(len(config.groups))]
         return cls(config.block_size, pools, [g.spec for g in config.groups],
-                   [config.salt(i) for i in range(len(config.groups))], config.model_salt)
+                   [config.salt(i) for i in range(len(config.groups))], config.model_salt,
+                   [config.block_bytes(g) for g in range(len(config.groups))])
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -70,6 +74,15 @@ class KVCacheManager:
         """The fullest group's share of its blocks in use (what limits admission)."""
         return max(p.usage for p in self.pools)
 
+    @property
+    def bytes_used(self) -> int:
+        """K/V bytes of the blocks in use, every group."""
+        return sum(p.num_used * b for p, b in zip(self.pools, self.block_bytes))
+
+    def note_usage(self) -> None:
+        """Fold the current use into `peak_bytes` (the scheduler calls it once per step)."""
+        self.peak_bytes = max(self.peak_bytes, self.bytes_used)
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether every group has `num_blocks` free blocks."""
         return all(p.num_free >= num_blocks for p in self.pools)
@@ -92,17 +105,22 @@ class KVCacheManager:
 
     def release_out_of_window(self, seq: Sequence) -> list[tuple[int, int]]:
         """Release the blocks a sliding-window group can no longer see (before the first position the
-        next new token attends to); returns (group, table position) of each entry now NULL_BLOCK."""
+        next new token attends to); returns (group, table position) of each entry now NULL_BLOCK.
+        Released entries are always a prefix of the table: the walk starts at the window and goes back
+        to the first entry already released, so a long sequence costs only what it releases."""
         out = []
         for g, (spec, pool, table) in enumerate(zip(self.specs, self.pools, self.tables(seq))):
-            if spec is None:
+            if spec is None or not spec.releases_blocks:
                 continue
-            first = spec.first_needed_position(seq.num_computed_tokens) // self.block_size
-            for i in range(min(first, len(table))):
-                if table[i] != NULL_BLOCK:
-                    pool.release([table[i]])
-                    table[i] = NULL_BLOCK
-                    out.append((g, i))
+            i = min(spec.first_needed_position(seq.num_computed_tokens) // self.block_size, len(table)) - 1
+            gone = []
+            while i >= 0 and table[i] != NULL_BLOCK:
+                gone.append(i)
+                i -= 1
+            for i in reversed(gone):  # oldest first, as the pool's free queue takes them
+                pool.release([table[i]])
+                table[i] = NULL_BLOCK
+                out.append((g, i))
         return out
 
     def shared_write_block(self, seq: Sequence) -> int | None:
@@ -154,30 +172,59 @@ class KVCacheManager:
         return hashes
 
     def take_cached_prefix(self, seq: Sequence) -> None:
-        """Point a fresh sequence at the cached blocks of its longest prefix that every group holds
-        (counted in the stats by `count_admitted`, once the sequence is admitted)."""
+        """Point a fresh sequence at the cached blocks of its longest prefix that every group holds — a
+        group that releases blocks out of its window only those the next token's window sees (counted
+        in the stats by `count_admitted`, once the sequence is admitted)."""
         if not self.enable_caching or seq.num_computed_tokens or seq.block_tables:
             return
         if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
-        found: list[list[int]] = []
-        for pool, key in zip(self.pools, self.keys):
+        hashes = self._hashes(seq, max_blocks)
+        found: list[list[int | None]] = []  # per group, the cached block of each prefix position (None: missing)
+        n = max_blocks
+        for g, (pool, key) in enumerate(zip(self.pools, self.keys)):
+            if self._releases(g):
+                found.append([pool.lookup(key + h) for h in hashes[:n]])
+                continue
             blocks = []
-            for h in self._hashes(seq, max_blocks)[:min((len(b) for b in found), default=max_blocks)]:
+            for h in hashes[:n]:  # a group that keeps every block needs them all, from the first
                 block = pool.lookup(key + h)
                 if block is None:
                     break
                 blocks.append(block)
             found.append(blocks)
-        n = min(len(b) for b in found)
+            n = len(blocks)
+        for g in range(self.num_groups):  # the windowed groups: the longest hit whose window they hold
+            if self._releases(g):
+                n = self._window_hit(g, found[g], n)
         tables = self.tables(seq)
-        for pool, blocks, table in zip(self.pools, found, tables):
-            for b in blocks[:n]:
+        for g, (pool, blocks, table) in enumerate(zip(self.pools, found, tables)):
+            first = self._first_needed_block(g, n)
+            for i in range(n):
+                b = blocks[i] if i >= first else NULL_BLOCK
                 pool.touch(b)
                 table.append(b)
         seq.num_cached_blocks = n
         seq.num_computed_tokens = n * self.block_size
+
+    def _releases(self, group: int) -> bool:
+        spec = self.specs[group]
+        return spec is not None and spec.releases_blocks
+
+    def _first_needed_block(self, group: int, num_blocks: int) -> int:
+        """The first block a group needs after a hit of `num_blocks` blocks (0 for a group keeping all)."""
+        spec = self.specs[group]
+        return spec.first_needed_position(num_blocks * self.block_size) // self.block_size if spec else 0
+
+    def _window_hit(self, group: int, blocks: list[int | None], n: int) -> int:
+        """The longest hit m <= n whose blocks first_needed(m) .. m - 1 the group holds (`blocks`)."""
+        while n > 0:
+            missing = next((i for i in range(n - 1, -1, -1) if blocks[i] is None), -1)
+            if missing < self._first_needed_block(group, n):
+                return n
+            n = missing  # a longer hit's window starts no earlier, so it would hold the gap too
+        return 0
 
     def count_admitted(self, seq: Sequence) -> None:
         """Prefix-cache stats of an admitted sequence (a lookup refused for lack of blocks is not counted)."""

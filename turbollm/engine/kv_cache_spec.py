@@ -4,9 +4,13 @@ Layers whose K/V are kept alike form a group (`KVCacheGroup`): full attention, o
 window of a given size (Gemma 3: 15 sliding layers of 512 tokens and 3 full ones make two groups).
 Each group has its own block pool and each sequence its own block table per group, so a group can
 hold blocks by its own rule: a sliding-window group releases the blocks its window no longer
-sees (`KVCacheSpec.first_needed_position`), the full-attention group keeps them all. Every group
-gets the same number of blocks (`KVCacheConfig.num_blocks`), so the pool holds as many tokens as
-before the split; a smaller share for the sliding groups is the KV-compression work's to choose.
+sees (`KVCacheSpec.first_needed_position`), the full-attention group keeps them all.
+
+A releasing group never holds more than `SlidingWindowSpec.max_blocks` blocks (every sequence slot
+a window's worth, plus the step's new tokens), so its pool is capped there and the rest of the
+budget goes to the groups that keep everything (`KVCacheConfig.from_budget`): Gemma 3's KV at 4k
+context is about a quarter of all-full. The KV policy (`engine/kv_policy.py`) builds each group's
+spec: "dense" keeps a sliding group's blocks too (the unreleased baseline).
 
 The spec is plain data: the engine sends it to the workers, which allocate each layer's
 `LayerKVCache` from it.
@@ -32,6 +36,11 @@ class KVCacheSpec:
     def kind(self) -> str:
         return "full_attention"
 
+    @property
+    def releases_blocks(self) -> bool:
+        """Whether a sequence's blocks before `first_needed_position` go back to the pool."""
+        return False
+
     def first_needed_position(self, num_computed: int) -> int:
         """The oldest position the next new token (at `num_computed`) can still attend to."""
         return 0
@@ -42,18 +51,39 @@ class KVCacheSpec:
                      self.layout.head_dim)).encode()
 
 
+    def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
+        """The most blocks the group can hold at once (None: no bound below the whole context)."""
+        return None
+
+
 @dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
-    """A sliding window: token p sees positions p - window + 1 .. p only."""
+    """A sliding window: token p sees positions p - window + 1 .. p only. With `release_blocks`, the
+    blocks before the oldest position the next token sees go back to the pool."""
 
     window: int = 0
+    release_blocks: bool = True
 
     @property
     def kind(self) -> str:
-        return f"sliding_window({self.window})"
+        return f"sliding_window({self.window})" + ("" if self.release_blocks else ", blocks kept")
+
+    @property
+    def releases_blocks(self) -> bool:
+        return self.release_blocks
 
     def first_needed_position(self, num_computed: int) -> int:
-        return max(0, num_computed - self.window + 1)
+        return max(0, num_computed - self.window + 1) if self.release_blocks else 0
+
+    def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
+        """A sequence scheduled for n new tokens after c computed ones holds the blocks of positions
+        c - window + 1 .. c + n - 1 (the scheduler releases the older ones of every running sequence
+        each step): at most ceil((window - 1 + n) / block_size) + 1 blocks, plus one copied on write.
+        Summed over the sequence slots, with the n's of a step summing to the token budget."""
+        if not self.release_blocks:
+            return None
+        bs = self.layout.block_size
+        return max_num_seqs * (-(-(self.window - 1) // bs) + 3) + -(-max_num_batched_tokens // bs)
 
 
 @dataclass(frozen=True)
@@ -64,10 +94,19 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    num_blocks: int  # per group
+    num_blocks: int  # per group that keeps every block (the most any group has)
     block_size: int
     groups: tuple[KVCacheGroup, ...]
     model_salt: bytes = b""  # the model's identity, in every prefix-cache key
+    group_blocks: tuple[int, ...] = ()  # blocks of each group (empty: num_blocks each)
+
+    def blocks_of(self, group: int) -> int:
+        return self.group_blocks[group] if self.group_blocks else self.num_blocks
+
+    def block_bytes(self, group: int) -> int:
+        """K and V of one block in every layer of the group."""
+        g = self.groups[group]
+        return len(g.layer_ids) * g.spec.layout.bytes_per_token * self.block_size
 
     @property
     def num_layers(self) -> int:
@@ -93,49 +132,83 @@ class KVCacheConfig:
 
     @property
     def num_tokens(self) -> int:
+        """The most tokens one sequence can hold (the groups that keep every block bound it)."""
         return self.num_blocks * self.block_size
 
     @property
     def total_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        return sum(self.blocks_of(g) * self.block_bytes(g) for g in range(len(self.groups)))
 
     def salt(self, group: int) -> bytes:
         return self.model_salt + b"|" + self.groups[group].spec.tag()
 
     def describe(self) -> str:
-        return ", ".join(f"{g.spec.kind} × {len(g.layer_ids)} layers" for g in self.groups)
+        return ", ".join(f"{g.spec.kind} × {len(g.layer_ids)} layers" +
+                         (f" ({self.blocks_of(i)} blocks)" if self.blocks_of(i) != self.num_blocks else "")
+                         for i, g in enumerate(self.groups))
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  model_salt: bytes = b"") -> "KVCacheConfig":
-        """The model's layers grouped by attention kind (full, or each sliding-window size)."""
+                  model_salt: bytes = b"", policy: str = "auto", max_num_seqs: int | None = None,
+                  max_num_batched_tokens: int | None = None) -> "KVCacheConfig":
+        """The model's layers grouped by attention kind (full, or each sliding-window size), each group's
+        spec as the KV policy builds it. Given `max_num_seqs` and `max_num_batched_tokens`, a group that
+        releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`)."""
+        from turbollm.engine.kv_policy import get_kv_policy
+
+        make_spec = get_kv_policy(policy).spec
         layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim)
         by_window: dict[int | None, list[int]] = {}
         for i in range(cfg.num_layers):
             by_window.setdefault(cfg.layer_window(i), []).append(i)
-        groups = tuple(KVCacheGroup(KVCacheSpec(layout) if w is None else SlidingWindowSpec(layout, w), tuple(ids))
+        groups = tuple(KVCacheGroup(make_spec(layout, w), tuple(ids))
                        for w, ids in sorted(by_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
-        return cls(max(1, int(num_blocks)), block_size, groups, model_salt)
+        num_blocks = max(1, int(num_blocks))
+        caps = _caps(groups, max_num_seqs, max_num_batched_tokens)
+        if all(c is not None for c in caps):  # nothing keeps every block: every group gets num_blocks
+            caps = [None] * len(groups)
+        counts = tuple(num_blocks if c is None else min(c, num_blocks) for c in caps)
+        return cls(num_blocks, block_size, groups, model_salt, counts if len(set(counts)) > 1 else ())
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
-                    model_salt: bytes = b"") -> "KVCacheConfig":
-        probe = cls.for_model(cfg, 1, block_size, dtype, model_salt)
-        return cls.for_model(cfg, memory_bytes // (probe.bytes_per_token * block_size), block_size, dtype, model_salt)
+                    model_salt: bytes = b"", policy: str = "auto", max_num_seqs: int | None = None,
+                    max_num_batched_tokens: int | None = None) -> "KVCacheConfig":
+        """The most blocks for the groups that keep everything such that every group's blocks fit
+        `memory_bytes` (the capped groups taking their cap first)."""
+        def build(n: int) -> KVCacheConfig:
+            return cls.for_model(cfg, n, block_size, dtype, model_salt, policy, max_num_seqs, max_num_batched_tokens)
+
+        probe = build(1)
+        # no group can have more blocks than the budget buys of the cheapest one; bytes grow with n
+        lo, hi = 1, max(1, memory_bytes // min(probe.block_bytes(g) for g in range(len(probe.groups))))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if build(mid).total_bytes <= memory_bytes else (lo, mid - 1)
+        return build(lo)
+
+
+def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None,
+          max_num_batched_tokens: int | None) -> list[int | None]:
+    if max_num_seqs is None or max_num_batched_tokens is None:
+        return [None] * len(groups)
+    return [g.spec.max_blocks(max_num_seqs, max_num_batched_tokens) for g in groups]
 
 
 def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
-                      max_num_seqs: int) -> int:
-    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks): the most a
-    default-sized cache can ever use, so a small model with a short context is not given gigabytes."""
-    per_seq = -(-max_model_len // block_size) * block_size
-    return KVCacheConfig.for_model(cfg, 1, block_size, dtype).bytes_per_token * per_seq * max_num_seqs
+                      max_num_seqs: int, policy: str = "auto", max_num_batched_tokens: int | None = None) -> int:
+    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks; a group that
+    releases blocks no more than its cap): the most a default-sized cache can ever use, so a small
+    model with a short context is not given gigabytes."""
+    per_seq = -(-max_model_len // block_size)
+    return KVCacheConfig.for_model(cfg, per_seq * max_num_seqs, block_size, dtype, b"", policy, max_num_seqs,
+                                   max_num_batched_tokens).total_bytes
 
 
 def allocate_kv_storage(config: KVCacheConfig) -> list[LayerKVCache]:
-    """Each layer's zeroed K/V storage, `config.num_blocks` blocks of its group's layout."""
+    """Each layer's zeroed K/V storage, its group's blocks of its group's layout."""
     out: list[LayerKVCache | None] = [None] * config.num_layers
-    for g in config.groups:
+    for gi, g in enumerate(config.groups):
         for layer in g.layer_ids:
-            out[layer] = LayerKVCache.allocate(g.spec.layout, config.num_blocks)
+            out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi))
     return out

@@ -78,11 +78,12 @@ class LLMEngine:
         budget = args.kv_cache_bytes()
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
             budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
-                                                   args.max_num_seqs))
+                                                   args.max_num_seqs, args.kv_policy, self._batched_tokens(args)))
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul)).encode()
-        self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt)
+        self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt,
+                                                   args.kv_policy, args.max_num_seqs, self._batched_tokens(args))
         self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=args.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; %s; prefix caching %s)",
                     self.kv_config.num_blocks, args.block_size, self.kv_config.num_tokens,
@@ -94,8 +95,7 @@ class LLMEngine:
                            "kv_cache_memory for the full context)", model_len, self.kv_config.num_tokens)
             model_len = self.kv_config.num_tokens
         self.max_model_len = model_len
-        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
-                                   max(args.max_num_batched_tokens, args.block_size), model_len,
+        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, self._batched_tokens(args), model_len,
                                    None, spec.num_speculative_tokens if spec is not None else 0)
         self.executor = executor_cls(args, self.kv_config, loaded)
         if spec is not None:
@@ -110,6 +110,11 @@ class LLMEngine:
                 self.scheduler.planner.profile_seq_id = scratch
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
+
+    @staticmethod
+    def _batched_tokens(args: EngineArgs) -> int:
+        """The scheduler's token budget per step (at least a block)."""
+        return max(args.max_num_batched_tokens, args.block_size)
 
     @property
     def loaded(self) -> LoadedModel | None:
@@ -179,14 +184,17 @@ class LLMEngine:
         self.output_processor.abort(request_id)
 
     def stats(self) -> dict[str, float | int | list[int]]:
-        """Engine counters: requests, KV blocks, prefix cache (tokens), preemptions; with speculation,
+        """Engine counters: requests, KV blocks and bytes (in use, peak, allocated), prefix cache (tokens),
+        preemptions; with speculation,
         its counters (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`, and
         `spec_decode_accepted_per_pos`: drafts accepted at each position)."""
         pool, sched = self.kv_manager, self.scheduler
         return {
             "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
             "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_blocks_free": pool.num_free,
-            "kv_cache_usage": pool.usage, "prefix_cache_queries": pool.stats.queries,
+            "kv_cache_usage": pool.usage, "kv_cache_bytes_used": pool.bytes_used,
+            "kv_cache_bytes_peak": pool.peak_bytes, "kv_cache_bytes_total": self.kv_config.total_bytes,
+            "prefix_cache_queries": pool.stats.queries,
             "prefix_cache_hits": pool.stats.hits, "prefix_cache_evictions": pool.stats.evictions,
             "num_preemptions": sched.num_preemptions,
             **(self._spec_stats() if sched.proposer is not None else {}),

@@ -78,6 +78,8 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._finished_ids: list[int] = []  # finished since the last schedule and known to the workers
         self._resumed: set[int] = set()  # preempted, their tables cleared on the workers
+        # (group, table position) of entries released out of a sliding window and not yet sent to the workers
+        self._released: dict[int, list[tuple[int, int]]] = {}
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -107,6 +109,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self._released.pop(seq.seq_id, None)  # the workers clear its tables
         if self.proposer is not None:
             self.proposer.preempted(seq.seq_id)
         if seq.known_to_workers:
@@ -122,6 +125,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         drafts: dict[int, list[int]] = {}
         running = list(self.running)
+        for seq in running:  # every running sequence returns the blocks its windows passed, scheduled or not
+            released = self.kv.release_out_of_window(seq)
+            if released:
+                self._released.setdefault(seq.seq_id, []).extend(released)
         plan = self._plan(running) if self.proposer is not None and self.planner is not None else None
         for idx, seq in enumerate(running):
             if seq not in self.running or budget == 0:
@@ -144,7 +151,7 @@ class Scheduler:
                         n += len(d)
                 else:  # blocks for k drafts first (k may be 0): the proposer writes their K/V
                     n += k
-            replaced = self.kv.release_out_of_window(seq)
+            replaced = self._released.pop(seq.seq_id, [])
             shared = self.kv.shared_write_block(seq)
             need = self.kv.blocks_needed(seq, n) + (shared is not None)
             if (k or seq.seq_id in drafts) and not self.kv.can_allocate(need):  # drafts preempt no one
@@ -197,6 +204,7 @@ class Scheduler:
             if d:
                 out.scheduled_token_ids[seq.seq_id] = out.scheduled_token_ids[seq.seq_id] + d
                 out.spec_token_ids[seq.seq_id] = d
+        self.kv.note_usage()
         if out.is_empty:  # nothing runs: the workers hear of the finished sequences next time
             self._finished_ids = out.finished_seq_ids + self._finished_ids
             out.finished_seq_ids = []
@@ -289,6 +297,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._released.pop(seq.seq_id, None)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted, or failed) sequence and return its blocks."""

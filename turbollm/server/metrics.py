@@ -38,6 +38,13 @@ class _EngineCollector:
             g = GaugeMetricFamily(P + name, doc, labels=labels)
             g.add_metric([self.model_name], float(value))
             yield g
+        for name, doc in (("kv_cache_bytes_used", "K/V bytes of the KV-cache blocks in use, every layer group."),
+                          ("kv_cache_bytes_peak", "The most K/V bytes in use at once since start."),
+                          ("kv_cache_bytes_total", "K/V bytes allocated for the KV cache.")):
+            if name in s:  # our own gauges (vLLM has none by these names)
+                g = GaugeMetricFamily(P + name, doc, labels=labels)
+                g.add_metric([self.model_name], float(s[name]))
+                yield g
         counters = [("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
                     ("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.")]
