@@ -248,7 +248,8 @@ def test_concurrent_streams_and_metrics(server, http):
     results = asyncio.run(main())
     assert all(u.completion_tokens == max_tokens and f == "length" for u, f in results)
     after = wait_idle(http)
-    assert after["turbollm:kv_cache_usage_perc"] == 0
+    assert after["turbollm:kv_cache_usage_perc"] == 0 and after["turbollm:kv_cache_bytes_used"] == 0
+    assert 0 < after["turbollm:kv_cache_bytes_peak"] <= after["turbollm:kv_cache_bytes_total"]
     gen = after["turbollm:generation_tokens_total"] - before["turbollm:generation_tokens_total"]
     assert gen == n_clients * max_tokens
     assert after["turbollm:request_success_total"] - before["turbollm:request_success_total"] == n_clients

@@ -1,5 +1,5 @@
-"""`turbollm eval parity` (logits and greedy output against transformers), `eval ppl` (eval_ppl_cmd.py) and
-`eval branches` (eval_branches_cmd.py)."""
+"""`turbollm eval parity` (logits and greedy output against transformers), `eval ppl` (eval_ppl_cmd.py; `--stream`
+in eval_long_cmd.py), `eval passkey` (eval_long_cmd.py) and `eval branches` (eval_branches_cmd.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import sys
 
 from turbollm.cli.eval_branches_cmd import add_branches
+from turbollm.cli.eval_long_cmd import add_passkey
 from turbollm.cli.eval_ppl_cmd import add_ppl
 
 
@@ -23,6 +24,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     par.add_argument("--json", default=None, help="write the reports to this JSON file")
     par.set_defaults(func=run_parity_cmd)
     add_ppl(esub)
+    add_passkey(esub)
     add_branches(esub)
 
 

@@ -9,6 +9,7 @@ import argparse
 import datetime
 import time
 
+from turbollm.cli.eval_long_cmd import add_chunk_flag
 from turbollm.engine.engine_args import KV_CACHE_DTYPES, kv_cache_torch_dtype
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
@@ -48,11 +49,19 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
                    help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw beside the repository)")
     p.add_argument("--qmatmul", choices=list(QMATMUL_MODES), default=None,
                    help="force the candidate's quantized-matmul path (at load and when scored)")
-    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                   help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), nargs="+", default=None,
+                   help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32); "
+                        "with --stream, several run in turn")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="FILE", default=None, help="write the result to FILE")
+    p.add_argument("--stream", action="store_true",
+                   help="score the first --ctx tokens as one request through the engine (its KV policy and K/V "
+                        "storage), reporting perplexity by position and the K/V memory (no reference)")
+    p.add_argument("--kv-policy", nargs="+", default=None, help="with --stream: KV policies to run in turn")
+    p.add_argument("--bucket", type=int, default=None, help="with --stream: positions per bucket (default ctx/16)")
+    p.add_argument("--plot", metavar="PNG", default=None, help="with --stream: perplexity against position")
+    add_chunk_flag(p)
     p.set_defaults(func=run_ppl_cmd)
 
 
@@ -83,8 +92,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     import torch
 
     from turbollm.benchmarks.report import print_block, write_json
-    from turbollm.eval.perplexity import (SCORING, check_window_args, default_data_path, evaluate, load_text,
-                                          plan_windows, qmatmul_mode, tokenize_text)
+    from turbollm.eval.perplexity import (SCORING, EvalError, check_window_args, default_data_path, evaluate,
+                                          load_text, plan_windows, qmatmul_mode, tokenize_text)
     from turbollm.hub.resolve import resolve_model
     from turbollm.loader import load_model
 
@@ -97,7 +106,10 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     ids, bos = tokenize_text(cand.tokenizer, text)
     plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
 
-    kv_dtype = kv_cache_torch_dtype(ns.kv_cache_dtype)  # "auto": float32 here (the weights alone are measured)
+    if ns.kv_cache_dtype is not None and len(ns.kv_cache_dtype) > 1:
+        raise EvalError("several --kv-cache-dtype values need --stream")
+    kv_name = ns.kv_cache_dtype[0] if ns.kv_cache_dtype else "auto"
+    kv_dtype = kv_cache_torch_dtype(kv_name)  # "auto": float32 here (the weights alone are measured)
     ref, note, ref_model = None, None, ns.reference_model or ns.model
     if ns.no_reference:
         note = "no reference (--no-reference)"
@@ -122,7 +134,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         "reference": None if ns.no_reference else ns.reference,
         "reference_model": None if ns.no_reference else ref_model,
         "reference_weight_MB": round(ref.weight_bytes / 1e6, 2) if ref is not None else None,
-        "reference_note": note, "qmatmul": ns.qmatmul, "kv_cache_dtype": ns.kv_cache_dtype,
+        "reference_note": note, "qmatmul": ns.qmatmul, "kv_cache_dtype": kv_name,
         "data": str(data), "ctx": ns.ctx, "batch": ns.batch, "bos_per_window": plan.bos,
         "scoring": {"rule": ns.score, "description": SCORING[ns.score]}, "text_tokens": plan.text_tokens,
         **res, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -135,5 +147,14 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
 
 
 def run_ppl_cmd(ns: argparse.Namespace) -> int:
+    if ns.stream:
+        from turbollm.cli.eval_long_cmd import run_stream_ppl
+
+        set_eval_threads(ns.threads)
+        return run_stream_ppl(ns)
+    if ns.kv_policy is not None or ns.plot is not None or ns.bucket is not None:
+        from turbollm.eval.perplexity import EvalError
+
+        raise EvalError("--kv-policy, --bucket and --plot apply to --stream only")
     eval_ppl(ns)
     return 0

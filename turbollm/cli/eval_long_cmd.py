@@ -1,0 +1,150 @@
+"""`turbollm eval ppl --stream` (perplexity by position through the engine) and `turbollm eval passkey`
+(turbollm/eval/long_context.py): each KV policy / K/V dtype given runs in turn, same text, same keys."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+
+PASSKEY_HELP = """\
+A 5-digit number hidden at a chosen depth of filler text (0 = start, 1 = just before the question),
+asked for at the end; greedy decoding must produce it within 8 tokens. Prints the accuracy by
+context length and depth for each --kv-policy / --kv-cache-dtype given, with the K/V bytes per token
+and the peak K/V memory of the longest prompts."""
+
+
+def add_passkey(esub: argparse._SubParsersAction) -> None:
+    p = esub.add_parser("passkey", help="passkey retrieval by context length and depth, per KV policy / dtype",
+                        description=PASSKEY_HELP)
+    p.add_argument("model", help="catalog name, GGUF file, HF folder or hub id")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt tokens (about)")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--trials", type=int, default=3, help="random keys per (length, depth)")
+    p.add_argument("--seed", type=int, default=0)
+    add_kv_settings(p)
+    p.add_argument("--json", metavar="FILE", default=None)
+    p.set_defaults(func=run_passkey_cmd)
+
+
+def add_kv_settings(p: argparse.ArgumentParser) -> None:
+    from turbollm.engine.engine_args import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-policy", nargs="+", default=None, help="KV policies to run in turn (default: auto)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=None, choices=list(KV_CACHE_DTYPES),
+                   help="K/V storage dtypes to run in turn (default: auto)")
+    p.add_argument("--quantization", default=None, help="weights' linear method (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    add_chunk_flag(p)
+
+
+def add_chunk_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="prefill chunk (tokens per step; a sliding layer holds window + chunk while one runs)")
+
+
+def settings(ns: argparse.Namespace) -> list[tuple[str, str]]:
+    return list(itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]))
+
+
+def _llm(ns: argparse.Namespace, policy: str, dtype: str, max_model_len: int):
+    """An engine for one sequence of `max_model_len` tokens; EvalError if the model's context is shorter."""
+    from turbollm import LLM
+    from turbollm.eval.perplexity import EvalError
+
+    llm = LLM(ns.model, quantization=ns.quantization, kv_policy=policy, kv_cache_dtype=dtype, max_num_seqs=1,
+              max_model_len=max_model_len, threads=ns.threads, max_num_batched_tokens=ns.max_num_batched_tokens)
+    if llm.engine.max_model_len < max_model_len:
+        raise EvalError(f"{ns.model} takes {llm.engine.max_model_len} tokens of context (its own, or what the KV "
+                        f"cache holds); this run needs {max_model_len}")
+    return llm
+
+
+def _check_settings(ns: argparse.Namespace) -> None:
+    """Every policy and dtype name checked before any model loads."""
+    from turbollm.engine.engine_args import EngineArgs
+
+    for policy, dtype in settings(ns):
+        EngineArgs(model=ns.model, kv_policy=policy, kv_cache_dtype=dtype)
+
+
+def run_stream_ppl(ns: argparse.Namespace) -> int:
+    """`eval ppl --stream`: the first --ctx tokens of the text scored as one request, per setting."""
+    import torch
+
+    from turbollm.benchmarks.report import write_json
+    from turbollm.eval.long_context import plot_by_position, stream_score
+    from turbollm.eval.perplexity import EvalError, default_data_path, load_text, tokenize_text
+
+    for flag, value in (("--reference-model", ns.reference_model), ("--qmatmul", ns.qmatmul)):
+        if value is not None:
+            raise EvalError(f"{flag} does not apply to --stream (one request through the engine, no reference)")
+    if ns.ctx < 2:
+        raise EvalError(f"--ctx must be >= 2 with --stream, got {ns.ctx}")
+    _check_settings(ns)
+    text = load_text(ns.data or str(default_data_path()))
+    bucket = ns.bucket or max(1, ns.ctx // 16)
+    record = {"model": ns.model, "stream_tokens": ns.ctx, "bucket": bucket, "quantization": ns.quantization,
+              "max_num_batched_tokens": ns.max_num_batched_tokens,
+              "threads": ns.threads or torch.get_num_threads(), "results": [],
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))
+    curves = {}
+    for policy, dtype in settings(ns):
+        llm = _llm(ns, policy, dtype, ns.ctx + 1)
+        ids, bos = tokenize_text(llm.engine.tokenizer, text)
+        ids = ([bos] if bos is not None else []) + ids
+        if len(ids) < ns.ctx:
+            raise EvalError(f"the text has {len(ids)} tokens, fewer than --ctx {ns.ctx}")
+        res = stream_score(llm, ids[:ns.ctx])
+        row = {"kv_policy": policy, "kv_cache_dtype": dtype, **res.summary(bucket)}
+        record["results"].append(row)
+        curves[f"{policy} / {dtype}"] = res.by_position(bucket)
+        print(f"  kv_policy={policy}  kv_cache_dtype={dtype}  tokens={row['tokens']}  ppl={row['ppl']}  "
+              f"peak_kv_MiB={row['peak_kv_MiB']}  kv_bytes_per_token={row['kv_bytes_per_token']}  "
+              f"kv_pool_MiB={row['kv_pool_MiB']}")
+        print("    ppl by position: " + ", ".join(f"{a}-{b}: {p:.2f}" for a, b, p in row["ppl_by_position"]))
+        del llm
+    if ns.plot:
+        ok = plot_by_position(curves, ns.plot, f"{ns.model}: perplexity by position ({ns.ctx} tokens)")
+        print(f"plot written to {ns.plot}" if ok else "no plot: matplotlib is not installed (pip install 'turbollm[bench]')")
+    write_json(ns.json, record)
+    return 0
+
+
+def run_passkey_cmd(ns: argparse.Namespace) -> int:
+    import torch
+
+    from turbollm.benchmarks.report import write_json
+    from turbollm.eval.long_context import passkey
+    from turbollm.eval.perplexity import EvalError
+
+    if ns.trials < 1 or min(ns.lengths) < 64 or not all(0.0 <= d <= 1.0 for d in ns.depths):
+        raise EvalError("--trials must be >= 1, every --lengths >= 64 and every --depths within [0, 1]")
+    _check_settings(ns)
+    record = {"model": ns.model, "lengths": ns.lengths, "depths": ns.depths, "trials": ns.trials, "seed": ns.seed,
+              "max_num_batched_tokens": ns.max_num_batched_tokens,
+              "quantization": ns.quantization, "threads": ns.threads or torch.get_num_threads(), "results": [],
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))
+    for policy, dtype in settings(ns):
+        llm = _llm(ns, policy, dtype, max(ns.lengths) + 64)
+        cells = passkey(llm, sorted(ns.lengths), ns.depths, ns.trials, ns.seed)
+        stats = llm.engine.stats()
+        longest = max(c.length for c in cells)
+        row = {"kv_policy": policy, "kv_cache_dtype": dtype,
+               "accuracy": sum(c.correct for c in cells) / sum(c.trials for c in cells),
+               "peak_kv_MiB": round(stats["kv_cache_bytes_peak"] / (1 << 20), 2),
+               "kv_bytes_per_token": round(stats["kv_cache_bytes_peak"] / (longest + 8)),
+               "cells": [{"length": c.length, "depth": c.depth, "correct": c.correct, "trials": c.trials} for c in cells]}
+        record["results"].append(row)
+        print(f"  kv_policy={policy}  kv_cache_dtype={dtype}  accuracy={row['accuracy']:.3f}  "
+              f"peak_kv_MiB={row['peak_kv_MiB']}  kv_bytes_per_token={row['kv_bytes_per_token']}")
+        lengths = sorted({c.length for c in cells})
+        print("    length \\ depth " + " ".join(f"{d:>6.2f}" for d in ns.depths))
+        for n in lengths:
+            print(f"    {n:>14} " + " ".join(f"{c.correct:>3}/{c.trials:<2}" for c in cells if c.length == n))
+        del llm
+    write_json(ns.json, record)
+    return 0
