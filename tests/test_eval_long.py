@@ -124,6 +124,12 @@ def test_eval_long_bad_input(tiny, tmp_path, capsys):
     for argv, message in (
             (["eval", "ppl", str(tiny["llama"]), "--stream", "--ctx", "400", "--data", text], "takes 256 tokens of context"),
             (["eval", "ppl", str(tiny["llama"]), "--kv-policy", "auto", "--data", text], "apply to --stream only"),
+            (["eval", "ppl", str(tiny["llama"]), "--max-num-batched-tokens", "64", "--data", text],
+             "apply to --stream only"),
+            (["eval", "ppl", str(tiny["llama"]), "--kv-cache-dtype", "float16", "float32", "--data", text],
+             "need --stream"),
+            (["eval", "ppl", str(tiny["llama"]), "--stream", "--max-tokens", "50", "--data", text],
+             "--max-tokens do(es) not apply to --stream"),
             (["eval", "passkey", str(tiny["llama"]), "--kv-policy", "nope"], "kv_policy 'nope'"),
             (["eval", "passkey", str(tiny["llama"]), "--depths", "1.5"], "--depths within")):
         assert main(argv) == 1

@@ -123,22 +123,26 @@ def test_unscheduled_sequence_releases_and_the_workers_hear_when_it_runs_again()
     assert cached.replaced_block_ids[1] == [(1, NULL_BLOCK)] and a.seq_id not in sched._released
 
 
-def _hit_by_brute_force(full: list[bool], sliding: list[bool], window: int, max_blocks: int) -> int:
-    """The longest m <= max_blocks such that the full group holds blocks 0..m-1 and the sliding group
-    the blocks of positions m*BS - window + 1 .. m*BS - 1."""
+def _hit_by_brute_force(full: list[bool], windowed: list[tuple[list[bool], int]], max_blocks: int) -> int:
+    """The longest m <= max_blocks such that the full group holds blocks 0..m-1 and each windowed group
+    (held, window) the blocks of positions m*BS - window + 1 .. m*BS - 1."""
     best = 0
     for m in range(max_blocks + 1):
-        lo = max(0, m * BS - window + 1) // BS
-        if all(full[:m]) and all(sliding[lo:m]):
+        if all(full[:m]) and all(all(held[max(0, m * BS - w + 1) // BS:m]) for held, w in windowed):
             best = m
     return best
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_window_aware_prefix_hit_equals_brute_force(seed):
+    """One full group and one or two windowed groups (two window sizes: a shorter hit moves every
+    window back, so each is checked again), cached blocks evicted at random."""
     rng = random.Random(seed)
-    window = rng.choice([3, 4, 8, 9])
-    kv = _manager(window=window, blocks=64)
+    windows = [rng.choice([3, 4, 8, 9])] + ([rng.choice([5, 13])] if seed % 2 else [])
+    layout = KVLayout(torch.float32, BS, 1, 8)
+    kv = KVCacheManager(BS, [BlockPool(64) for _ in range(1 + len(windows))],
+                        [None] + [SlidingWindowSpec(layout, w) for w in windows],
+                        [b"full"] + [f"w{w}".encode() for w in windows], b"model")
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=256)
     prompt = [rng.randrange(50) for _ in range(rng.randint(20, 48))]
     a = _seq(0, prompt)
@@ -146,21 +150,30 @@ def test_window_aware_prefix_hit_equals_brute_force(seed):
     _step(sched)
     hashes = list(a.block_hashes)
     sched.finish(a)
-    held = [[True] * len(hashes), [True] * len(hashes)]
-    for g in (0, 1):  # evict some cached blocks of each group
+    held = [[True] * len(hashes) for _ in range(kv.num_groups)]
+    for g in range(kv.num_groups):  # evict some cached blocks of each group
         for i in range(len(hashes)):
             if rng.random() < (0.08 if g == 0 else 0.25):
                 kv.pools[g].cached.pop(kv.keys[g] + hashes[i], None)
                 held[g][i] = False
-    # the sliding group had released a's early blocks: they are cached (released, hashed) unless evicted
+    # the windowed groups had released a's early blocks: they are cached (released, hashed) unless evicted
     b = _seq(1, prompt + [99])
     kv.take_cached_prefix(b)
-    max_blocks = len(prompt) // BS
-    m = _hit_by_brute_force(held[0], held[1], window, max_blocks)
+    m = _hit_by_brute_force(held[0], list(zip(held[1:], windows)), len(prompt) // BS)
     assert b.num_computed_tokens == m * BS
-    lo = max(0, m * BS - window + 1) // BS
-    assert b.block_tables[1][:lo] == [NULL_BLOCK] * lo and NULL_BLOCK not in b.block_tables[1][lo:]
     assert NULL_BLOCK not in b.block_tables[0] and len(b.block_tables[0]) == m
+    for g, w in enumerate(windows, start=1):
+        lo = max(0, m * BS - w + 1) // BS
+        assert b.block_tables[g][:lo] == [NULL_BLOCK] * lo and NULL_BLOCK not in b.block_tables[g][lo:]
+
+
+def test_cap_counts_the_blocks_of_rejected_drafts():
+    spec = SlidingWindowSpec(KVLayout(torch.float32, BS, 1, 8), 8)
+    assert spec.max_blocks(3, 16, spec_tokens=7) - spec.max_blocks(3, 16) == 3 * 2  # ceil(7 / 4) per slot
+    cfg = ModelConfig(**GEMMA_LIKE)
+    plain = KVCacheConfig.from_budget(cfg, 64 << 20, 16, torch.float16, b"", "auto", 4, 512)
+    spec4 = KVCacheConfig.from_budget(cfg, 64 << 20, 16, torch.float16, b"", "auto", 4, 512, spec_tokens=4)
+    assert spec4.blocks_of(1) == plain.blocks_of(1) + 4
 
 
 @pytest.fixture(scope="module")

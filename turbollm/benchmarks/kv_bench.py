@@ -49,7 +49,7 @@ class KVRun:
             out["prefill_peak_vs_ref"] = round(ref.prefill_peak_bytes / self.prefill_peak_bytes, 2)
             out["decode_peak_vs_ref"] = round(ref.decode_peak_bytes / self.decode_peak_bytes, 2)
             out["token_exact"] = self.tokens == ref.tokens
-            out["max_dlogprob"] = max_logprob_difference(self.logprobs, ref.logprobs)
+            out["max_dlogprob"] = max_logprob_difference(self.logprobs, ref.logprobs, self.tokens, ref.tokens)
         return out
 
 
@@ -57,12 +57,16 @@ def _mib(n: int) -> float:
     return round(n / (1 << 20), 2)
 
 
-def max_logprob_difference(a: list[dict[int, float]], b: list[dict[int, float]]) -> float:
-    """The largest |Δ logprob| over the ids both runs list at a step (until the tokens differ)."""
+def max_logprob_difference(a: list[dict[int, float]], b: list[dict[int, float]], tokens_a: list[int],
+                           tokens_b: list[int]) -> float:
+    """The largest |Δ logprob| over the ids both runs list at a step, up to and including the first step
+    whose tokens differ (after it the two runs continue different texts)."""
     diff = 0.0
-    for x, y in zip(a, b):
+    for x, y, ta, tb in zip(a, b, tokens_a, tokens_b):
         for t in set(x) & set(y):
             diff = max(diff, abs(x[t] - y[t]))
+        if ta != tb:
+            break
     return float(f"{diff:.3g}")
 
 

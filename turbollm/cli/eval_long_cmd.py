@@ -39,9 +39,17 @@ def add_kv_settings(p: argparse.ArgumentParser) -> None:
     add_chunk_flag(p)
 
 
+DEFAULT_CHUNK = 2048
+
+
 def add_chunk_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="prefill chunk (tokens per step; a sliding layer holds window + chunk while one runs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"prefill chunk (tokens per step, default {DEFAULT_CHUNK}; a sliding layer holds window + "
+                        "chunk while one runs)")
+
+
+def chunk(ns: argparse.Namespace) -> int:
+    return ns.max_num_batched_tokens or DEFAULT_CHUNK
 
 
 def settings(ns: argparse.Namespace) -> list[tuple[str, str]]:
@@ -54,7 +62,7 @@ def _llm(ns: argparse.Namespace, policy: str, dtype: str, max_model_len: int):
     from turbollm.eval.perplexity import EvalError
 
     llm = LLM(ns.model, quantization=ns.quantization, kv_policy=policy, kv_cache_dtype=dtype, max_num_seqs=1,
-              max_model_len=max_model_len, threads=ns.threads, max_num_batched_tokens=ns.max_num_batched_tokens)
+              max_model_len=max_model_len, threads=ns.threads, max_num_batched_tokens=chunk(ns))
     if llm.engine.max_model_len < max_model_len:
         raise EvalError(f"{ns.model} takes {llm.engine.max_model_len} tokens of context (its own, or what the KV "
                         f"cache holds); this run needs {max_model_len}")
@@ -86,7 +94,7 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
     text = load_text(ns.data or str(default_data_path()))
     bucket = ns.bucket or max(1, ns.ctx // 16)
     record = {"model": ns.model, "stream_tokens": ns.ctx, "bucket": bucket, "quantization": ns.quantization,
-              "max_num_batched_tokens": ns.max_num_batched_tokens,
+              "max_num_batched_tokens": chunk(ns),
               "threads": ns.threads or torch.get_num_threads(), "results": [],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))
@@ -124,7 +132,7 @@ def run_passkey_cmd(ns: argparse.Namespace) -> int:
         raise EvalError("--trials must be >= 1, every --lengths >= 64 and every --depths within [0, 1]")
     _check_settings(ns)
     record = {"model": ns.model, "lengths": ns.lengths, "depths": ns.depths, "trials": ns.trials, "seed": ns.seed,
-              "max_num_batched_tokens": ns.max_num_batched_tokens,
+              "max_num_batched_tokens": chunk(ns),
               "quantization": ns.quantization, "threads": ns.threads or torch.get_num_threads(), "results": [],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))

@@ -92,8 +92,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     import torch
 
     from turbollm.benchmarks.report import print_block, write_json
-    from turbollm.eval.perplexity import (SCORING, EvalError, check_window_args, default_data_path, evaluate,
-                                          load_text, plan_windows, qmatmul_mode, tokenize_text)
+    from turbollm.eval.perplexity import (SCORING, check_window_args, default_data_path, evaluate, load_text,
+                                          plan_windows, qmatmul_mode, tokenize_text)
     from turbollm.hub.resolve import resolve_model
     from turbollm.loader import load_model
 
@@ -106,8 +106,6 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     ids, bos = tokenize_text(cand.tokenizer, text)
     plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
 
-    if ns.kv_cache_dtype is not None and len(ns.kv_cache_dtype) > 1:
-        raise EvalError("several --kv-cache-dtype values need --stream")
     kv_name = ns.kv_cache_dtype[0] if ns.kv_cache_dtype else "auto"
     kv_dtype = kv_cache_torch_dtype(kv_name)  # "auto": float32 here (the weights alone are measured)
     ref, note, ref_model = None, None, ns.reference_model or ns.model
@@ -147,14 +145,23 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
 
 
 def run_ppl_cmd(ns: argparse.Namespace) -> int:
+    from turbollm.eval.perplexity import EvalError
+
     if ns.stream:
         from turbollm.cli.eval_long_cmd import run_stream_ppl
 
+        ignored = [flag for flag, given in (("--max-tokens", ns.max_tokens is not None), ("--batch", ns.batch != 1),
+                                            ("--score", ns.score != "all"), ("--no-reference", ns.no_reference),
+                                            ("--reference", ns.reference != "none")) if given]
+        if ignored:
+            raise EvalError(f"{', '.join(ignored)} do(es) not apply to --stream (every position of one request "
+                            "is scored through the engine; no reference)")
         set_eval_threads(ns.threads)
         return run_stream_ppl(ns)
-    if ns.kv_policy is not None or ns.plot is not None or ns.bucket is not None:
-        from turbollm.eval.perplexity import EvalError
-
-        raise EvalError("--kv-policy, --bucket and --plot apply to --stream only")
+    if (ns.kv_policy is not None or ns.plot is not None or ns.bucket is not None
+            or ns.max_num_batched_tokens is not None):
+        raise EvalError("--kv-policy, --bucket, --plot and --max-num-batched-tokens apply to --stream only")
+    if ns.kv_cache_dtype is not None and len(ns.kv_cache_dtype) > 1:
+        raise EvalError("several --kv-cache-dtype values need --stream")
     eval_ppl(ns)
     return 0

@@ -195,9 +195,15 @@ class KVCacheManager:
                 blocks.append(block)
             found.append(blocks)
             n = len(blocks)
-        for g in range(self.num_groups):  # the windowed groups: the longest hit whose window they hold
-            if self._releases(g):
-                n = self._window_hit(g, found[g], n)
+        windowed = [g for g in range(self.num_groups) if self._releases(g)]
+        while windowed:  # the longest hit whose window every windowed group holds (a shorter hit moves
+            # every window back: check them all again until none shortens it)
+            m = n
+            for g in windowed:
+                m = self._window_hit(g, found[g], m)
+            if m == n:
+                break
+            n = m
         tables = self.tables(seq)
         for g, (pool, blocks, table) in enumerate(zip(self.pools, found, tables)):
             first = self._first_needed_block(g, n)

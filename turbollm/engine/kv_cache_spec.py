@@ -51,7 +51,7 @@ class KVCacheSpec:
                      self.layout.head_dim)).encode()
 
 
-    def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
+    def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int | None:
         """The most blocks the group can hold at once (None: no bound below the whole context)."""
         return None
 
@@ -75,15 +75,17 @@ class SlidingWindowSpec(KVCacheSpec):
     def first_needed_position(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1) if self.release_blocks else 0
 
-    def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
+    def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int | None:
         """A sequence scheduled for n new tokens after c computed ones holds the blocks of positions
         c - window + 1 .. c + n - 1 (the scheduler releases the older ones of every running sequence
-        each step): at most ceil((window - 1 + n) / block_size) + 1 blocks, plus one copied on write.
-        Summed over the sequence slots, with the n's of a step summing to the token budget."""
+        each step): at most ceil((window - 1 + n) / block_size) + 1 blocks, plus one copied on write,
+        plus the blocks of up to `spec_tokens` rejected drafts of its last step (kept for its next
+        tokens). Summed over the sequence slots, with the n's of a step summing to the token budget."""
         if not self.release_blocks:
             return None
         bs = self.layout.block_size
-        return max_num_seqs * (-(-(self.window - 1) // bs) + 3) + -(-max_num_batched_tokens // bs)
+        per_slot = -(-(self.window - 1) // bs) + 3 + -(-spec_tokens // bs)
+        return max_num_seqs * per_slot + -(-max_num_batched_tokens // bs)
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ class KVCacheConfig:
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                   model_salt: bytes = b"", policy: str = "auto", max_num_seqs: int | None = None,
-                  max_num_batched_tokens: int | None = None) -> "KVCacheConfig":
+                  max_num_batched_tokens: int | None = None, spec_tokens: int = 0) -> "KVCacheConfig":
         """The model's layers grouped by attention kind (full, or each sliding-window size), each group's
         spec as the KV policy builds it. Given `max_num_seqs` and `max_num_batched_tokens`, a group that
         releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`)."""
@@ -164,7 +166,7 @@ class KVCacheConfig:
         groups = tuple(KVCacheGroup(make_spec(layout, w), tuple(ids))
                        for w, ids in sorted(by_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
         num_blocks = max(1, int(num_blocks))
-        caps = _caps(groups, max_num_seqs, max_num_batched_tokens)
+        caps = _caps(groups, max_num_seqs, max_num_batched_tokens, spec_tokens)
         if all(c is not None for c in caps):  # nothing keeps every block: every group gets num_blocks
             caps = [None] * len(groups)
         counts = tuple(num_blocks if c is None else min(c, num_blocks) for c in caps)
@@ -173,11 +175,12 @@ class KVCacheConfig:
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
                     model_salt: bytes = b"", policy: str = "auto", max_num_seqs: int | None = None,
-                    max_num_batched_tokens: int | None = None) -> "KVCacheConfig":
+                    max_num_batched_tokens: int | None = None, spec_tokens: int = 0) -> "KVCacheConfig":
         """The most blocks for the groups that keep everything such that every group's blocks fit
         `memory_bytes` (the capped groups taking their cap first)."""
         def build(n: int) -> KVCacheConfig:
-            return cls.for_model(cfg, n, block_size, dtype, model_salt, policy, max_num_seqs, max_num_batched_tokens)
+            return cls.for_model(cfg, n, block_size, dtype, model_salt, policy, max_num_seqs, max_num_batched_tokens,
+                                 spec_tokens)
 
         probe = build(1)
         # no group can have more blocks than the budget buys of the cheapest one; bytes grow with n
@@ -188,21 +191,22 @@ class KVCacheConfig:
         return build(lo)
 
 
-def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None,
-          max_num_batched_tokens: int | None) -> list[int | None]:
+def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None, max_num_batched_tokens: int | None,
+          spec_tokens: int) -> list[int | None]:
     if max_num_seqs is None or max_num_batched_tokens is None:
         return [None] * len(groups)
-    return [g.spec.max_blocks(max_num_seqs, max_num_batched_tokens) for g in groups]
+    return [g.spec.max_blocks(max_num_seqs, max_num_batched_tokens, spec_tokens) for g in groups]
 
 
 def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
-                      max_num_seqs: int, policy: str = "auto", max_num_batched_tokens: int | None = None) -> int:
+                      max_num_seqs: int, policy: str = "auto", max_num_batched_tokens: int | None = None,
+                      spec_tokens: int = 0) -> int:
     """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks; a group that
     releases blocks no more than its cap): the most a default-sized cache can ever use, so a small
     model with a short context is not given gigabytes."""
     per_seq = -(-max_model_len // block_size)
     return KVCacheConfig.for_model(cfg, per_seq * max_num_seqs, block_size, dtype, b"", policy, max_num_seqs,
-                                   max_num_batched_tokens).total_bytes
+                                   max_num_batched_tokens, spec_tokens).total_bytes
 
 
 def allocate_kv_storage(config: KVCacheConfig) -> list[LayerKVCache]:

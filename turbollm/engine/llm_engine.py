@@ -76,14 +76,17 @@ class LLMEngine:
                         self.config.max_position_embeddings)
         kv_dtype = args.kv_torch_dtype(self.quantization)
         budget = args.kv_cache_bytes()
+        spec_tokens = spec.num_speculative_tokens if spec is not None else 0  # drafts' blocks (window caps)
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
             budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
-                                                   args.max_num_seqs, args.kv_policy, self._batched_tokens(args)))
+                                                   args.max_num_seqs, args.kv_policy, self._batched_tokens(args),
+                                                   spec_tokens))
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul)).encode()
         self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt,
-                                                   args.kv_policy, args.max_num_seqs, self._batched_tokens(args))
+                                                   args.kv_policy, args.max_num_seqs, self._batched_tokens(args),
+                                                   spec_tokens)
         self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=args.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; %s; prefix caching %s)",
                     self.kv_config.num_blocks, args.block_size, self.kv_config.num_tokens,
