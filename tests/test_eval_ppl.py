@@ -237,6 +237,20 @@ def test_float16_kv_candidate_is_measured_against_float32(tiny, tiny_folder, tmp
                  "--kv-cache-dtype", "float16", "--threads", "1", "--no-progress", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["kv_cache_dtype"] == "float16" and rec["reference_note"] is None and rec["kld_mean"] > 0
+    # against a float16-K/V reference of the same weights: the candidate itself, KL exactly 0
+    out16 = tmp_path / "kv16ref16.json"
+    assert main(["eval", "ppl", str(tiny_folder), "--data", str(tmp_path / "text.raw"), "--ctx", str(CTX),
+                 "--kv-cache-dtype", "float16", "--reference-kv-cache-dtype", "float16", "--threads", "1",
+                 "--no-progress", "--json", str(out16)]) == 0
+    same = json.loads(out16.read_text())
+    assert same["reference_note"].startswith("the candidate is the reference")
+    # float32 candidate against the float16 reference: measured with the candidate's own weights
+    out32 = tmp_path / "kv32ref16.json"
+    assert main(["eval", "ppl", str(tiny_folder), "--data", str(tmp_path / "text.raw"), "--ctx", str(CTX),
+                 "--kv-cache-dtype", "float32", "--reference-kv-cache-dtype", "float16", "--threads", "1",
+                 "--no-progress", "--json", str(out32)]) == 0
+    rev = json.loads(out32.read_text())
+    assert rev["reference_kv_cache_dtype"] == "float16" and rev["kld_mean"] == pytest.approx(rec["kld_mean"], rel=0.5)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -52,6 +52,9 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), nargs="+", default=None,
                    help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32); "
                         "with --stream, several run in turn")
+    p.add_argument("--reference-kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                   help="K/V storage of the reference (default float32): e.g. float16 to measure a quantized K/V "
+                        "format against float16 K/V; with the same weights the candidate's model is reused")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="FILE", default=None, help="write the result to FILE")
@@ -108,12 +111,17 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
 
     kv_name = ns.kv_cache_dtype[0] if ns.kv_cache_dtype else "auto"
     kv_dtype = kv_cache_torch_dtype(kv_name)  # "auto": float32 here (the weights alone are measured)
+    ref_kv_name = ns.reference_kv_cache_dtype or "float32"
+    ref_kv = kv_cache_torch_dtype(ref_kv_name)
     ref, note, ref_model = None, None, ns.reference_model or ns.model
+    same_weights = resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference
     if ns.no_reference:
         note = "no reference (--no-reference)"
-    elif (resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference
-          and kv_dtype == torch.float32):
+    elif same_weights and kv_dtype == ref_kv:
         note = "the candidate is the reference: KL 0 and top-1 100% by definition, not measured"
+    elif same_weights:  # the K/V storage alone differs: the candidate's own weights score the reference
+        ref = cand
+        print(f"reference: the candidate's weights with {ref_kv_name} K/V")
     else:
         t0 = time.perf_counter()
         ref = load_model(ref_model, quantization=ns.reference)
@@ -122,7 +130,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     print(f"{plan.text_tokens} text tokens -> {len(plan.windows)} windows of {ns.ctx} "
           f"({'BOS + ' if plan.bos else ''}text), {plan.tokens} scored ({ns.score})")
     res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress,
-                   kv_dtype=kv_dtype)[0]
+                   kv_dtype=kv_dtype, ref_kv_dtype=ref_kv)[0]
     if ref is None and not ns.no_reference:
         res.update(ref_ppl=res["ppl"], delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_median=0.0,
                    kld_p99=0.0, kld_max=0.0, top1_agreement=100.0, ref_entropy=res["entropy"], entropy_delta=0.0)
@@ -133,6 +141,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         "reference_model": None if ns.no_reference else ref_model,
         "reference_weight_MB": round(ref.weight_bytes / 1e6, 2) if ref is not None else None,
         "reference_note": note, "qmatmul": ns.qmatmul, "kv_cache_dtype": kv_name,
+        "reference_kv_cache_dtype": None if ns.no_reference else ref_kv_name,
         "data": str(data), "ctx": ns.ctx, "batch": ns.batch, "bos_per_window": plan.bos,
         "scoring": {"rule": ns.score, "description": SCORING[ns.score]}, "text_tokens": plan.text_tokens,
         **res, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -152,7 +161,9 @@ def run_ppl_cmd(ns: argparse.Namespace) -> int:
 
         ignored = [flag for flag, given in (("--max-tokens", ns.max_tokens is not None), ("--batch", ns.batch != 1),
                                             ("--score", ns.score != "all"), ("--no-reference", ns.no_reference),
-                                            ("--reference", ns.reference != "none")) if given]
+                                            ("--reference", ns.reference != "none"),
+                                            ("--reference-kv-cache-dtype", ns.reference_kv_cache_dtype is not None))
+                   if given]
         if ignored:
             raise EvalError(f"{', '.join(ignored)} do(es) not apply to --stream (every position of one request "
                             "is scored through the engine; no reference)")

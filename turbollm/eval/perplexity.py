@@ -233,11 +233,12 @@ def _kl_summary(acc: _Acc) -> dict:
 
 def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: LoadedModel | None = None, *,
              batch: int = 1, qmatmul: str | None = None, progress: bool = True,
-             kv_dtype: torch.dtype = torch.float32) -> list[dict]:
+             kv_dtype: torch.dtype = torch.float32, ref_kv_dtype: torch.dtype = torch.float32) -> list[dict]:
     """Perplexity of each candidate on `plan`'s windows, and KL/top-1/Δppl against `reference` if given.
 
-    The reference runs once per batch of windows (float32 K/V), then each candidate (with
-    their quantized-matmul path set to `qmatmul` and K/V stored in `kv_dtype`).
+    The reference runs once per batch of windows (K/V stored in `ref_kv_dtype`), then each candidate
+    (with their quantized-matmul path set to `qmatmul` and K/V stored in `kv_dtype`). The reference
+    may be one of the candidates (the same weights, another K/V storage).
     Returns one dict per candidate.
     """
     if not candidates:
@@ -264,7 +265,7 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
         targets = torch.tensor([t for i in idx for t in plan.targets(i)])
         ref = None
         if reference is not None:
-            ref = scored_logits(reference, plan, idx)
+            ref = scored_logits(reference, plan, idx, ref_kv_dtype)
             ref_acc.add(ref, targets)
         for acc, cand in zip(accs, candidates):
             acc.add(scored_logits(cand, plan, idx, kv_dtype), targets, ref)
