@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from quant_tiny import build_tiny
+from test_kv_groups import _seq, _step
 from turbollm import LLM, SamplingParams
 from turbollm.attention.kv_storage import KVLayout
 from turbollm.config import FULL, SLIDING, ModelConfig
@@ -20,11 +21,8 @@ from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool
 from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, default_kv_budget
-from turbollm.engine.runner_output import ModelRunnerOutput, SampledToken
 from turbollm.engine.scheduler import Scheduler
-from turbollm.engine.sequence import Sequence
 from turbollm.errors import InvalidRequestError
-from turbollm.sampling_params import SamplingParams as SP
 
 BS = 4
 GEMMA_LIKE = dict(arch="gemma3", hidden_size=64, num_layers=6, num_heads=2, num_kv_heads=1, head_dim=32,
@@ -37,18 +35,6 @@ def _manager(window: int, blocks: int, sliding_blocks: int | None = None) -> KVC
     layout = KVLayout(torch.float32, BS, 1, 8)
     return KVCacheManager(BS, [BlockPool(blocks), BlockPool(sliding_blocks or blocks)],
                           [None, SlidingWindowSpec(layout, window)], [b"full", b"sliding"], b"model", [10, 50])
-
-
-def _seq(i: int, tokens: list[int]) -> Sequence:
-    return Sequence(i, str(i), 0, list(tokens), SP(max_tokens=None))
-
-
-def _step(sched: Scheduler, token: int = 7):
-    out = sched.schedule()
-    sampled = {sid: [SampledToken(token)] for sid, t in out.scheduled_token_ids.items()
-               if sched.seqs[sid].num_computed_tokens + len(t) == sched.seqs[sid].num_tokens}
-    sched.update_from_output(out, ModelRunnerOutput(sampled=sampled))
-    return out
 
 
 def test_releasing_group_gets_its_cap_and_the_rest_goes_to_full_layers():
