@@ -98,14 +98,15 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
               "threads": ns.threads or torch.get_num_threads(), "results": [],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))
-    curves = {}
+    curves, ids = {}, None
     for policy, dtype in settings(ns):
         llm = _llm(ns, policy, dtype, ns.ctx + 1)
-        ids, bos = tokenize_text(llm.engine.tokenizer, text)
-        ids = ([bos] if bos is not None else []) + ids
-        if len(ids) < ns.ctx:
-            raise EvalError(f"the text has {len(ids)} tokens, fewer than --ctx {ns.ctx}")
-        res = stream_score(llm, ids[:ns.ctx])
+        if ids is None:  # every setting runs the same model: the text is tokenized once
+            text_ids, bos = tokenize_text(llm.engine.tokenizer, text)
+            ids = (([bos] if bos is not None else []) + text_ids)[:ns.ctx]
+            if len(ids) < ns.ctx:
+                raise EvalError(f"the text has {len(ids)} tokens, fewer than --ctx {ns.ctx}")
+        res = stream_score(llm, ids)
         row = {"kv_policy": policy, "kv_cache_dtype": dtype, **res.summary(bucket)}
         record["results"].append(row)
         curves[f"{policy} / {dtype}"] = res.by_position(bucket)
