@@ -118,11 +118,29 @@ def test_eval_ppl_stream_cli_dense_and_auto(tiny, tmp_path, capsys):
     assert "ppl by position" in capsys.readouterr().out
 
 
+def test_eval_ppl_stream_past_the_context(tiny, tmp_path):
+    """Dense scores what the model's context takes (and says so); streaming, with and without sinks, the
+    whole stream past it at flat K/V memory."""
+    out = tmp_path / "stream.json"
+    rc = main(["eval", "ppl", str(tiny["llama"]), "--stream", "--ctx", "400", "--kv-policy", "dense", "streaming",
+               "--attention-sinks", "4", "0", "--kv-window", "64", "--data", str(_text(tmp_path)), "--threads", "2",
+               "--bucket", "100", "--max-num-batched-tokens", "32", "--json", str(out)])
+    assert rc == 0
+    dense, sinks, window = json.loads(out.read_text())["results"]
+    assert dense["tokens"] == 255 and sinks["tokens"] == window["tokens"] == 400
+    assert (sinks["attention_sinks"], window["attention_sinks"], sinks["kv_window"]) == (4, 0, 64)
+    assert sinks["peak_kv_MiB"] < dense["peak_kv_MiB"] and sinks["ppl"] != window["ppl"]
+
+
 def test_eval_long_bad_input(tiny, tmp_path, capsys):
     """Clear errors, exit status 1, before anything is scored."""
     text = str(_text(tmp_path))
     for argv, message in (
-            (["eval", "ppl", str(tiny["llama"]), "--stream", "--ctx", "400", "--data", text], "takes 256 tokens of context"),
+            (["eval", "ppl", str(tiny["llama"]), "--stream", "--ctx", "400", "--attention-sinks", "4", "--data", text],
+             "apply to --kv-policy streaming"),
+            (["eval", "ppl", str(tiny["llama"]), "--stream", "--kv-policy", "streaming", "--data", text],
+             "needs kv_window"),
+            (["eval", "ppl", str(tiny["llama"]), "--kv-window", "64", "--data", text], "apply to --stream only"),
             (["eval", "ppl", str(tiny["llama"]), "--kv-policy", "auto", "--data", text], "apply to --stream only"),
             (["eval", "ppl", str(tiny["llama"]), "--max-num-batched-tokens", "64", "--data", text],
              "apply to --stream only"),

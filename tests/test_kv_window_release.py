@@ -20,7 +20,7 @@ from turbollm.config import FULL, SLIDING, ModelConfig
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool
 from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, default_kv_budget
+from turbollm.engine.kv_cache_spec import KVCacheConfig, SinkWindowSpec, SlidingWindowSpec, default_kv_budget
 from turbollm.engine.scheduler import Scheduler
 from turbollm.errors import InvalidRequestError
 
@@ -109,26 +109,29 @@ def test_unscheduled_sequence_releases_and_the_workers_hear_when_it_runs_again()
     assert cached.replaced_block_ids[1] == [(1, NULL_BLOCK)] and a.seq_id not in sched._released
 
 
-def _hit_by_brute_force(full: list[bool], windowed: list[tuple[list[bool], int]], max_blocks: int) -> int:
+def _hit_by_brute_force(full: list[bool], windowed: list[tuple[list[bool], int, int]], max_blocks: int) -> int:
     """The longest m <= max_blocks such that the full group holds blocks 0..m-1 and each windowed group
-    (held, window) the blocks of positions m*BS - window + 1 .. m*BS - 1."""
+    (held, window, kept blocks) its kept blocks and the blocks of positions m*BS - window + 1 .. m*BS - 1."""
     best = 0
     for m in range(max_blocks + 1):
-        if all(full[:m]) and all(all(held[max(0, m * BS - w + 1) // BS:m]) for held, w in windowed):
+        if all(full[:m]) and all(all(held[max(0, m * BS - w + 1) // BS:m]) and all(held[:min(keep, m)])
+                                 for held, w, keep in windowed):
             best = m
     return best
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_window_aware_prefix_hit_equals_brute_force(seed):
     """One full group and one or two windowed groups (two window sizes: a shorter hit moves every
-    window back, so each is checked again), cached blocks evicted at random."""
+    window back, so each is checked again; some with attention sinks, whose blocks a hit needs too),
+    cached blocks evicted at random."""
     rng = random.Random(seed)
     windows = [rng.choice([3, 4, 8, 9])] + ([rng.choice([5, 13])] if seed % 2 else [])
+    sinks = [rng.choice([0, 0, 1, 5]) for _ in windows]
     layout = KVLayout(torch.float32, BS, 1, 8)
-    kv = KVCacheManager(BS, [BlockPool(64) for _ in range(1 + len(windows))],
-                        [None] + [SlidingWindowSpec(layout, w) for w in windows],
-                        [b"full"] + [f"w{w}".encode() for w in windows], b"model")
+    specs = [SinkWindowSpec(layout, w, sinks=s) if s else SlidingWindowSpec(layout, w) for w, s in zip(windows, sinks)]
+    kv = KVCacheManager(BS, [BlockPool(64) for _ in range(1 + len(windows))], [None] + specs,
+                        [b"full"] + [f"w{w}s{s}".encode() for w, s in zip(windows, sinks)], b"model")
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=256)
     prompt = [rng.randrange(50) for _ in range(rng.randint(20, 48))]
     a = _seq(0, prompt)
@@ -145,12 +148,15 @@ def test_window_aware_prefix_hit_equals_brute_force(seed):
     # the windowed groups had released a's early blocks: they are cached (released, hashed) unless evicted
     b = _seq(1, prompt + [99])
     kv.take_cached_prefix(b)
-    m = _hit_by_brute_force(held[0], list(zip(held[1:], windows)), len(prompt) // BS)
+    keeps = [spec.kept_blocks() for spec in specs]
+    m = _hit_by_brute_force(held[0], list(zip(held[1:], windows, keeps)), len(prompt) // BS)
     assert b.num_computed_tokens == m * BS
     assert NULL_BLOCK not in b.block_tables[0] and len(b.block_tables[0]) == m
-    for g, w in enumerate(windows, start=1):
-        lo = max(0, m * BS - w + 1) // BS
-        assert b.block_tables[g][:lo] == [NULL_BLOCK] * lo and NULL_BLOCK not in b.block_tables[g][lo:]
+    for g, (w, keep) in enumerate(zip(windows, keeps), start=1):
+        lo, k = max(0, m * BS - w + 1) // BS, min(keep, m)
+        table = b.block_tables[g]
+        assert NULL_BLOCK not in table[:k] + table[max(lo, k):]
+        assert table[k:lo] == [NULL_BLOCK] * max(0, lo - k)
 
 
 def test_cap_counts_the_blocks_of_rejected_drafts():

@@ -36,7 +36,10 @@ class AttentionBackend:
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                scale: float, window: int | None, softcap: float | None, sinks: int = 0,
+                q_sink: torch.Tensor | None = None) -> torch.Tensor:
+        """With `sinks` (and a window), token p also sees positions j < sinks older than its window,
+        scored with `q_sink` (its query rotated to the sinks' position) in the same softmax."""
         raise NotImplementedError
 
 
@@ -49,26 +52,34 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, context_len: int,
-               window: int | None, softcap: float | None) -> torch.Tensor:
+               window: int | None, softcap: float | None, sinks: int = 0,
+               q_sink: torch.Tensor | None = None) -> torch.Tensor:
     """Reference attention of one sequence by head grouping.
 
     q: [L, Hq, D] (the new tokens, at positions context_len .. context_len+L-1);
-    k, v: [S, Hk, D] with S = context_len + L. Returns [L, Hq * D].
+    k, v: [S, Hk, D] with S = context_len + L. Returns [L, Hq * D]. With `sinks`, positions j < sinks
+    older than a token's window are scored with its row of `q_sink` [L, Hq, D].
     """
     L, Hq, D = q.shape
     S, Hk, _ = k.shape
     G = Hq // Hk
-    qg = q.float().permute(1, 0, 2).reshape(Hk, G, L, D)
     kg = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hk, 1, S, D]
     vg = v.float().permute(1, 0, 2).unsqueeze(1)
-    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [Hk, G, L, S]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
+
+    def score(x: torch.Tensor) -> torch.Tensor:
+        s = torch.matmul(x.float().permute(1, 0, 2).reshape(Hk, G, L, D), kg.transpose(-1, -2)) * scale
+        return torch.tanh(s / softcap) * softcap if softcap else s  # [Hk, G, L, S]
+
+    scores = score(q)
     qpos = torch.arange(context_len, context_len + L).unsqueeze(1)
     kpos = torch.arange(S).unsqueeze(0)
     allowed = kpos <= qpos
     if window is not None:
         allowed &= kpos > qpos - window
+    if sinks and window is not None:
+        sink = (kpos < sinks) & (kpos <= qpos - window)
+        scores = torch.where(sink, score(q_sink), scores)
+        allowed |= sink
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vg)  # [Hk, G, L, D]
@@ -149,13 +160,16 @@ class TorchAttentionBackend(AttentionBackend):
 
             self.kernels = get_kernels()
 
-    def forward(self, q, k_cache, v_cache, meta, scale, window, softcap):
+    def forward(self, q, k_cache, v_cache, meta, scale, window, softcap, sinks=0, q_sink=None):
         qsl = meta.query_start_loc
+        if sinks and (window is None or q_sink is None or q_sink.shape != q.shape):
+            raise ValueError("attention sinks need a window and q_sink shaped like q")
         if self.kernels is not None and q.dtype == torch.float32:
             lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
+            extra = (sinks, _rows_contiguous(q_sink)) if sinks else ()
             if meta.is_pure_decode:  # row i of q is sequence i (the kernel reads strided q)
                 res = self.kernels.paged_decode_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables,
-                                                          lens, scale, window or -1, softcap or 0.0)
+                                                          lens, scale, window or -1, softcap or 0.0, None, *extra)
             else:
                 starts = meta.derived("query_start_loc", lambda: torch.tensor(qsl))
                 if meta.max_query_len <= self.kernels.small_query_max:
@@ -163,14 +177,14 @@ class TorchAttentionBackend(AttentionBackend):
                     # so each row's output is the one it has alone (row invariance)
                     res = self.kernels.paged_decode_attention(_rows_contiguous(q), k_cache, v_cache,
                                                               meta.block_tables, lens, scale, window or -1,
-                                                              softcap or 0.0, starts)
+                                                              softcap or 0.0, starts, *extra)
                 else:  # prefill chunks and mixes with them: the tiled kernel, one call for the whole step
                     res = self.kernels.paged_attention(_rows_contiguous(q), k_cache, v_cache, meta.block_tables,
-                                                       starts, lens, scale, window or -1, softcap or 0.0)
+                                                       starts, lens, scale, window or -1, softcap or 0.0, *extra)
             return res.reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         done: set[int] = set()
-        for group in decode_groups(meta):
+        for group in ([] if sinks else decode_groups(meta)):
             idx, rows, lens = _decode_index(meta, group)
             out[rows] = attend_decode_batch(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, scale, window,
                                             softcap)
@@ -182,7 +196,8 @@ class TorchAttentionBackend(AttentionBackend):
             seq_len = meta.seq_lens[i]
             k = gather_kv(k_cache, meta.block_tables[i], seq_len)
             v = gather_kv(v_cache, meta.block_tables[i], seq_len)
-            out[start:end] = attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap)
+            out[start:end] = attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap, sinks,
+                                        q_sink[start:end] if sinks else None)
         return out
 
 

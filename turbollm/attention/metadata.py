@@ -22,6 +22,10 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]: cached + new tokens per sequence
     block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     block_size: int
+    # The group's KV policy's limits (`KVCacheSpec.attention`): a window that replaces the layers' own
+    # (None: each layer's), and the sink positions attended beside it (StreamingLLM; 0: none)
+    window: int | None = None
+    sinks: int = 0
     # Values derived from the fields above that every layer needs (decode index tensors...),
     # computed once per step by the first layer that asks: see `derived`.
     _derived: dict = field(default_factory=dict, repr=False, compare=False)

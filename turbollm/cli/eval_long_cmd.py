@@ -7,6 +7,7 @@ import argparse
 import datetime
 import itertools
 import json
+from dataclasses import dataclass
 
 PASSKEY_HELP = """\
 A 5-digit number hidden at a chosen depth of filler text (0 = start, 1 = just before the question),
@@ -37,6 +38,13 @@ def add_kv_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, help="weights' linear method (default: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     add_chunk_flag(p)
+    add_streaming_flags(p)
+
+
+def add_streaming_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-sinks", type=int, nargs="+", default=None,
+                   help="with --kv-policy streaming: sink counts to run in turn (default 4; 0: the window alone)")
+    p.add_argument("--kv-window", type=int, default=None, help="with --kv-policy streaming: tokens each layer keeps")
 
 
 DEFAULT_CHUNK = 2048
@@ -52,29 +60,71 @@ def chunk(ns: argparse.Namespace) -> int:
     return ns.max_num_batched_tokens or DEFAULT_CHUNK
 
 
-def settings(ns: argparse.Namespace) -> list[tuple[str, str]]:
-    return list(itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]))
+@dataclass(frozen=True)
+class KVSetting:
+    """One run's KV policy (with its sinks and window) and K/V storage."""
+
+    policy: str
+    dtype: str
+    sinks: int | None = None
+    window: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.window is None:
+            return f"{self.policy} / {self.dtype}"
+        return f"{self.policy}(sinks={4 if self.sinks is None else self.sinks}, window={self.window}) / {self.dtype}"
+
+    def engine_kwargs(self) -> dict:
+        return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype, "attention_sinks": self.sinks,
+                "kv_window": self.window}
+
+    def record(self) -> dict:
+        return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype,
+                **({"attention_sinks": 4 if self.sinks is None else self.sinks, "kv_window": self.window}
+                   if self.window is not None else {})}
 
 
-def _llm(ns: argparse.Namespace, policy: str, dtype: str, max_model_len: int):
-    """An engine for one sequence of `max_model_len` tokens; EvalError if the model's context is shorter."""
+def settings(ns: argparse.Namespace) -> list[KVSetting]:
+    """Each policy × dtype; a policy that takes sinks and a window (streaming) once per --attention-sinks."""
+    from turbollm.engine.kv_policy import get_kv_policy
+
+    out = []
+    for policy, dtype in itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]):
+        if "sinks" in get_kv_policy(policy).options:
+            out += [KVSetting(policy, dtype, s, ns.kv_window) for s in (ns.attention_sinks or [None])]
+        else:
+            out.append(KVSetting(policy, dtype))
+    return out
+
+
+def _llm(ns: argparse.Namespace, setting: KVSetting, max_model_len: int, shorter_ok: bool = False):
+    """An engine for one sequence of `max_model_len` tokens; EvalError if the model's context is shorter
+    (unless `shorter_ok`: the caller uses what the engine takes)."""
     from turbollm import LLM
     from turbollm.eval.perplexity import EvalError
 
-    llm = LLM(ns.model, quantization=ns.quantization, kv_policy=policy, kv_cache_dtype=dtype, max_num_seqs=1,
-              max_model_len=max_model_len, threads=ns.threads, max_num_batched_tokens=chunk(ns))
-    if llm.engine.max_model_len < max_model_len:
+    llm = LLM(ns.model, quantization=ns.quantization, max_num_seqs=1, max_model_len=max_model_len,
+              threads=ns.threads, max_num_batched_tokens=chunk(ns), **setting.engine_kwargs())
+    if llm.engine.max_model_len < max_model_len and not shorter_ok:
         raise EvalError(f"{ns.model} takes {llm.engine.max_model_len} tokens of context (its own, or what the KV "
-                        f"cache holds); this run needs {max_model_len}")
+                        f"cache holds; --kv-policy streaming runs past it); this run needs {max_model_len}")
     return llm
 
 
 def _check_settings(ns: argparse.Namespace) -> None:
-    """Every policy and dtype name checked before any model loads."""
+    """Every policy, its options and dtype checked before any model loads."""
     from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine.kv_policy import get_kv_policy
+    from turbollm.eval.perplexity import EvalError
 
-    for policy, dtype in settings(ns):
-        EngineArgs(model=ns.model, kv_policy=policy, kv_cache_dtype=dtype)
+    for name in ns.kv_policy or ["auto"]:
+        get_kv_policy(name)  # unknown: the error lists the choices
+    if (ns.attention_sinks is not None or ns.kv_window is not None) and \
+            not any(s.window is not None or s.sinks is not None for s in settings(ns)):
+        raise EvalError("--attention-sinks and --kv-window apply to --kv-policy streaming")
+    for setting in settings(ns):
+        EngineArgs(model=ns.model, **setting.engine_kwargs())
 
 
 def run_stream_ppl(ns: argparse.Namespace) -> int:
@@ -99,18 +149,24 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))
     curves, ids = {}, None
-    for policy, dtype in settings(ns):
-        llm = _llm(ns, policy, dtype, ns.ctx + 1)
+    for setting in settings(ns):
+        # a setting that cannot run past the model's context (every policy but streaming) scores the
+        # stream's first max_model_len - 1 tokens, and says so
+        llm = _llm(ns, setting, ns.ctx + 1, shorter_ok=True)
         if ids is None:  # every setting runs the same model: the text is tokenized once
             text_ids, bos = tokenize_text(llm.engine.tokenizer, text)
             ids = (([bos] if bos is not None else []) + text_ids)[:ns.ctx]
             if len(ids) < ns.ctx:
                 raise EvalError(f"the text has {len(ids)} tokens, fewer than --ctx {ns.ctx}")
-        res = stream_score(llm, ids)
-        row = {"kv_policy": policy, "kv_cache_dtype": dtype, **res.summary(bucket)}
+        n = min(ns.ctx, llm.engine.max_model_len - 1)
+        if n < ns.ctx:
+            print(f"  {setting.label}: the first {n} tokens only (the model's context, or what the KV cache holds; "
+                  f"--kv-policy streaming runs past it)")
+        res = stream_score(llm, ids[:n])
+        row = {**setting.record(), **res.summary(bucket)}
         record["results"].append(row)
-        curves[f"{policy} / {dtype}"] = res.by_position(bucket)
-        print(f"  kv_policy={policy}  kv_cache_dtype={dtype}  tokens={row['tokens']}  ppl={row['ppl']}  "
+        curves[setting.label] = res.by_position(bucket)
+        print(f"  {setting.label}  tokens={row['tokens']}  ppl={row['ppl']}  "
               f"peak_kv_MiB={row['peak_kv_MiB']}  kv_bytes_per_token={row['kv_bytes_per_token']}  "
               f"kv_pool_MiB={row['kv_pool_MiB']}")
         print("    ppl by position: " + ", ".join(f"{a}-{b}: {p:.2f}" for a, b, p in row["ppl_by_position"]))
@@ -137,18 +193,18 @@ def run_passkey_cmd(ns: argparse.Namespace) -> int:
               "quantization": ns.quantization, "threads": ns.threads or torch.get_num_threads(), "results": [],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print("setting: " + json.dumps({k: v for k, v in record.items() if k != "results"}))
-    for policy, dtype in settings(ns):
-        llm = _llm(ns, policy, dtype, max(ns.lengths) + 64)
+    for setting in settings(ns):
+        llm = _llm(ns, setting, max(ns.lengths) + 64)
         cells = passkey(llm, sorted(ns.lengths), ns.depths, ns.trials, ns.seed)
         stats = llm.engine.stats()
         longest = max(c.length for c in cells)
-        row = {"kv_policy": policy, "kv_cache_dtype": dtype,
+        row = {**setting.record(),
                "accuracy": sum(c.correct for c in cells) / sum(c.trials for c in cells),
                "peak_kv_MiB": round(stats["kv_cache_bytes_peak"] / (1 << 20), 2),
                "kv_bytes_per_token": round(stats["kv_cache_bytes_peak"] / (longest + 8)),
                "cells": [{"length": c.length, "depth": c.depth, "correct": c.correct, "trials": c.trials} for c in cells]}
         record["results"].append(row)
-        print(f"  kv_policy={policy}  kv_cache_dtype={dtype}  accuracy={row['accuracy']:.3f}  "
+        print(f"  {setting.label}  accuracy={row['accuracy']:.3f}  "
               f"peak_kv_MiB={row['peak_kv_MiB']}  kv_bytes_per_token={row['kv_bytes_per_token']}")
         lengths = sorted({c.length for c in cells})
         print("    length \\ depth " + " ".join(f"{d:>6.2f}" for d in ns.depths))

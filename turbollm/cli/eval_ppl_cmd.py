@@ -9,7 +9,7 @@ import argparse
 import datetime
 import time
 
-from turbollm.cli.eval_long_cmd import add_chunk_flag
+from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags
 from turbollm.engine.engine_args import KV_CACHE_DTYPES, kv_cache_torch_dtype
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
@@ -62,6 +62,7 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
                    help="score the first --ctx tokens as one request through the engine (its KV policy and K/V "
                         "storage), reporting perplexity by position and the K/V memory (no reference)")
     p.add_argument("--kv-policy", nargs="+", default=None, help="with --stream: KV policies to run in turn")
+    add_streaming_flags(p)
     p.add_argument("--bucket", type=int, default=None, help="with --stream: positions per bucket (default ctx/16)")
     p.add_argument("--plot", metavar="PNG", default=None, help="with --stream: perplexity against position")
     add_chunk_flag(p)
@@ -170,8 +171,9 @@ def run_ppl_cmd(ns: argparse.Namespace) -> int:
         set_eval_threads(ns.threads)
         return run_stream_ppl(ns)
     if (ns.kv_policy is not None or ns.plot is not None or ns.bucket is not None
-            or ns.max_num_batched_tokens is not None):
-        raise EvalError("--kv-policy, --bucket, --plot and --max-num-batched-tokens apply to --stream only")
+            or ns.max_num_batched_tokens is not None or ns.attention_sinks is not None or ns.kv_window is not None):
+        raise EvalError("--kv-policy, --attention-sinks, --kv-window, --bucket, --plot and --max-num-batched-tokens "
+                        "apply to --stream only")
     if ns.kv_cache_dtype is not None and len(ns.kv_cache_dtype) > 1:
         raise EvalError("several --kv-cache-dtype values need --stream")
     eval_ppl(ns)

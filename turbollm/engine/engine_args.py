@@ -71,6 +71,10 @@ class EngineArgs:
     # which K/V each layer keeps (turbollm/engine/kv_policy.py): "auto" (sliding-window layers release
     # the blocks their window passed) or "dense" (every layer keeps every block)
     kv_policy: str = "auto"
+    # kv_policy "streaming": the first attention_sinks tokens (default 4; 0: window only) and the last
+    # kv_window tokens each layer keeps (sequences may then run past the model's trained context)
+    attention_sinks: int | None = None
+    kv_window: int | None = None
     # True: every step runs the layers as PyTorch modules; False: decode steps and steps of a few
     # tokens run all layers in one C++ call with the same kernels (engine/fused_step.py; same
     # results, less Python)
@@ -102,12 +106,23 @@ class EngineArgs:
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
                                       "'uni' (the worker in this process) or 'mp' (a worker process)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        from turbollm.engine.kv_policy import get_kv_policy
+        from turbollm.engine.kv_policy import check_kv_policy
 
-        get_kv_policy(self.kv_policy)  # an unknown name: InvalidRequestError naming the choices
+        check_kv_policy(self.kv_policy_config(), self.block_size)  # unknown names, stray or bad options
+        if self.kv_policy == "streaming" and self.speculative_config is not None \
+                and self.speculative_config.method == "draft_model":
+            raise InvalidRequestError("kv_policy 'streaming' cannot run a draft model (the draft reads the target's "
+                                      "block table, whose released blocks it would need); use method 'ngram' or "
+                                      "'suffix'")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")
+
+    def kv_policy_config(self):
+        """The KV policy with its options (`engine/kv_policy.KVPolicyConfig`)."""
+        from turbollm.engine.kv_policy import KVPolicyConfig
+
+        return KVPolicyConfig(self.kv_policy, self.attention_sinks, self.kv_window)
 
     def kv_torch_dtype(self, quantization: str | None = None):
         """The K/V storage dtype for a model loaded with linear method `quantization`."""

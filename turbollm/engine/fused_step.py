@@ -51,6 +51,7 @@ class FusedDecodeStep:
         self.model, self.kv_caches, self.layer_groups, self.hooks = model, kv_caches, layer_groups, hooks
         self.group_first_layer = [layer_groups.index(g) for g in range(max(layer_groups) + 1)]
         self.step = None  # the C++ object, built on first use
+        self.group_attention: list = []  # the (window, sinks) per group the C++ object was last given
         self._built_hooks: LayerHooks | None = None  # the hooks the C++ object calls
         self.built_version = -1  # the model's weights_version it was built from
         self.rope_len = 0
@@ -89,6 +90,10 @@ class FusedDecodeStep:
                 return None
             levels = 2  # dense layers only: the level count is never read
         metas = [batch.attn_for(layer) for layer in self.group_first_layer]
+        attention = [(m.window, m.sinks) for m in metas]
+        if attention != self.group_attention:  # the KV policy's windows and sinks (streaming), per group
+            self.step.set_group_attention([-1 if w is None else w for w, _ in attention], [s for _, s in attention])
+            self.group_attention = attention
         lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
         starts = None if meta.is_pure_decode else meta.derived("query_start_loc",
                                                                lambda: torch.tensor(meta.query_start_loc))
@@ -133,6 +138,7 @@ class FusedDecodeStep:
             logger.warning("turbollm: fused decode step not used for this model (%s)", self.unavailable)
             return
         step.set_kv_caches([c.k for c in self.kv_caches], [c.v for c in self.kv_caches], list(self.layer_groups))
+        self.group_attention = []
         self.step, self.built_version = step, self.model.weights_version
         self._set_hooks()
         self.rope_len = min(layer.self_attn.rotary._cache_len for layer in layers)

@@ -106,15 +106,16 @@ class KVCacheManager:
     def release_out_of_window(self, seq: Sequence) -> list[tuple[int, int]]:
         """Release the blocks a sliding-window group can no longer see (before the first position the
         next new token attends to); returns (group, table position) of each entry now NULL_BLOCK.
-        Released entries are always a prefix of the table: the walk starts at the window and goes back
-        to the first entry already released, so a long sequence costs only what it releases."""
+        Released entries are always a run just after the kept blocks (sinks; none for a plain window):
+        the walk starts at the window and goes back to the first entry already released, so a long
+        sequence costs only what it releases."""
         out = []
         for g, (spec, pool, table) in enumerate(zip(self.specs, self.pools, self.tables(seq))):
             if spec is None or not spec.releases_blocks:
                 continue
             i = min(spec.first_needed_position(seq.num_computed_tokens) // self.block_size, len(table)) - 1
-            gone = []
-            while i >= 0 and table[i] != NULL_BLOCK:
+            gone, keep = [], spec.kept_blocks()
+            while i >= keep and table[i] != NULL_BLOCK:
                 gone.append(i)
                 i -= 1
             for i in reversed(gone):  # oldest first, as the pool's free queue takes them
@@ -206,9 +207,9 @@ class KVCacheManager:
             n = m
         tables = self.tables(seq)
         for g, (pool, blocks, table) in enumerate(zip(self.pools, found, tables)):
-            first = self._first_needed_block(g, n)
+            first, keep = self._first_needed_block(g, n), self._kept_blocks(g)
             for i in range(n):
-                b = blocks[i] if i >= first else NULL_BLOCK
+                b = blocks[i] if i >= first or i < keep else NULL_BLOCK
                 pool.touch(b)
                 table.append(b)
         seq.num_cached_blocks = n
@@ -223,12 +224,22 @@ class KVCacheManager:
         spec = self.specs[group]
         return spec.first_needed_position(num_blocks * self.block_size) // self.block_size if spec else 0
 
+    def _kept_blocks(self, group: int) -> int:
+        spec = self.specs[group]
+        return spec.kept_blocks() if spec else 0
+
     def _window_hit(self, group: int, blocks: list[int | None], n: int) -> int:
-        """The longest hit m <= n whose blocks first_needed(m) .. m - 1 the group holds (`blocks`)."""
+        """The longest hit m <= n whose kept blocks (sinks) 0 .. kept - 1 and window blocks first_needed(m) ..
+        m - 1 the group holds (`blocks`)."""
+        keep = self._kept_blocks(group)
         while n > 0:
             missing = next((i for i in range(n - 1, -1, -1) if blocks[i] is None), -1)
             if missing < self._first_needed_block(group, n):
-                return n
+                sink_gap = next((i for i in range(min(keep, n)) if blocks[i] is None), None)
+                if sink_gap is None:
+                    return n
+                n = sink_gap  # shorter hits lie within the kept blocks, all present before the gap
+                continue
             n = missing  # a longer hit's window starts no earlier, so it would hold the gap too
         return 0
 

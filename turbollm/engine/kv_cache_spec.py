@@ -19,11 +19,15 @@ The spec is plain data: the engine sends it to the workers, which allocate each 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from turbollm.attention.kv_storage import KVLayout, LayerKVCache
 from turbollm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from turbollm.engine.kv_policy import KVPolicyConfig
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,19 @@ class KVCacheSpec:
         return False
 
     def first_needed_position(self, num_computed: int) -> int:
-        """The oldest position the next new token (at `num_computed`) can still attend to."""
+        """The oldest position past the kept prefix (`kept_blocks`) that the next new token (at
+        `num_computed`) can still attend to."""
         return 0
+
+    def kept_blocks(self) -> int:
+        """Blocks at the start of a sequence that are never released (attention sinks)."""
+        return 0
+
+    @property
+    def attention(self) -> tuple[int | None, int]:
+        """(window, sinks) the group's layers attend with: a policy's window (None: each layer's own) and
+        the number of sink positions attended beside it (0: none)."""
+        return None, 0
 
     def tag(self) -> bytes:
         """What the prefix-cache key of this group's blocks is salted with (their content depends on it)."""
@@ -84,8 +99,33 @@ class SlidingWindowSpec(KVCacheSpec):
         if not self.release_blocks:
             return None
         bs = self.layout.block_size
-        per_slot = -(-(self.window - 1) // bs) + 3 + -(-spec_tokens // bs)
+        per_slot = -(-(self.window - 1) // bs) + 3 + -(-spec_tokens // bs) + self.kept_blocks()
         return max_num_seqs * per_slot + -(-max_num_batched_tokens // bs)
+
+
+@dataclass(frozen=True)
+class SinkWindowSpec(SlidingWindowSpec):
+    """Attention sinks + a window (StreamingLLM): token p sees the first `sinks` positions and
+    p - window + 1 .. p; the blocks in between go back to the pool, the sinks' blocks never do.
+
+    K is stored after RoPE, at its original position. A window key's distance to the query is the
+    same as under StreamingLLM's positions within the cache (sinks 0 .. S-1, window S .. S+W-1, the
+    query at S+W-1); a sink's is not, so the attention kernels score the sinks with the query rotated
+    to position min(p, S+W-1) (`q_sink`) and the window with the query as it is, in one softmax. The
+    largest distance any query meets is S+W-1, whatever the sequence's length."""
+
+    sinks: int = 4
+
+    @property
+    def kind(self) -> str:
+        return f"sinks({self.sinks}) + window({self.window})"
+
+    def kept_blocks(self) -> int:
+        return -(-self.sinks // self.layout.block_size)
+
+    @property
+    def attention(self) -> tuple[int | None, int]:
+        return self.window, self.sinks
 
 
 @dataclass(frozen=True)
@@ -133,9 +173,17 @@ class KVCacheConfig:
         return sum(len(g.layer_ids) * g.spec.layout.bytes_per_token for g in self.groups)
 
     @property
-    def num_tokens(self) -> int:
-        """The most tokens one sequence can hold (the groups that keep every block bound it)."""
+    def num_tokens(self) -> int | None:
+        """The most tokens one sequence can hold (the groups that keep every block bound it); None when
+        every group releases blocks (a sequence of any length holds at most each group's cap)."""
+        if all(g.spec.releases_blocks for g in self.groups):
+            return None
         return self.num_blocks * self.block_size
+
+    @property
+    def group_attention(self) -> list[tuple[int | None, int]]:
+        """Per group, the (window, sinks) its layers attend with (`KVCacheSpec.attention`)."""
+        return [g.spec.attention for g in self.groups]
 
     @property
     def total_bytes(self) -> int:
@@ -151,30 +199,29 @@ class KVCacheConfig:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  model_salt: bytes = b"", policy: str = "auto", max_num_seqs: int | None = None,
+                  model_salt: bytes = b"", policy: "str | KVPolicyConfig" = "auto", max_num_seqs: int | None = None,
                   max_num_batched_tokens: int | None = None, spec_tokens: int = 0) -> "KVCacheConfig":
         """The model's layers grouped by attention kind (full, or each sliding-window size), each group's
         spec as the KV policy builds it. Given `max_num_seqs` and `max_num_batched_tokens`, a group that
         releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`)."""
-        from turbollm.engine.kv_policy import get_kv_policy
+        from turbollm.engine.kv_policy import KVPolicyConfig, get_kv_policy
 
-        make_spec = get_kv_policy(policy).spec
+        options = policy if isinstance(policy, KVPolicyConfig) else KVPolicyConfig(policy)
+        make_spec = get_kv_policy(options.name).spec
         layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim)
         by_window: dict[int | None, list[int]] = {}
         for i in range(cfg.num_layers):
             by_window.setdefault(cfg.layer_window(i), []).append(i)
-        groups = tuple(KVCacheGroup(make_spec(layout, w), tuple(ids))
+        groups = tuple(KVCacheGroup(make_spec(layout, w, options), tuple(ids))
                        for w, ids in sorted(by_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
         num_blocks = max(1, int(num_blocks))
         caps = _caps(groups, max_num_seqs, max_num_batched_tokens, spec_tokens)
-        if all(c is not None for c in caps):  # nothing keeps every block: every group gets num_blocks
-            caps = [None] * len(groups)
         counts = tuple(num_blocks if c is None else min(c, num_blocks) for c in caps)
-        return cls(num_blocks, block_size, groups, model_salt, counts if len(set(counts)) > 1 else ())
+        return cls(num_blocks, block_size, groups, model_salt, counts if set(counts) != {num_blocks} else ())
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
-                    model_salt: bytes = b"", policy: str = "auto", max_num_seqs: int | None = None,
+                    model_salt: bytes = b"", policy: "str | KVPolicyConfig" = "auto", max_num_seqs: int | None = None,
                     max_num_batched_tokens: int | None = None, spec_tokens: int = 0) -> "KVCacheConfig":
         """The most blocks for the groups that keep everything such that every group's blocks fit
         `memory_bytes` (the capped groups taking their cap first)."""
@@ -199,7 +246,7 @@ def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None, max_num_ba
 
 
 def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
-                      max_num_seqs: int, policy: str = "auto", max_num_batched_tokens: int | None = None,
+                      max_num_seqs: int, policy: "str | KVPolicyConfig" = "auto", max_num_batched_tokens: int | None = None,
                       spec_tokens: int = 0) -> int:
     """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks; a group that
     releases blocks no more than its cap): the most a default-sized cache can ever use, so a small

@@ -1,13 +1,19 @@
 """KV policies: which K/V a layer group keeps, one registry entry each (`--kv-policy`).
 
 A policy builds the spec of each layer group (`engine/kv_cache_spec.py`) from the group's storage
-layout and attention window; the spec's rule (`first_needed_position`, `max_blocks`) is what the
-KV-cache manager and the pool sizing follow, so a policy never threads a flag through the core.
+layout, its attention window and the policy's options (`KVPolicyConfig`: sinks, window); the spec's
+rule (`first_needed_position`, `kept_blocks`, `max_blocks`, `attention`) is what the KV-cache
+manager, the pool sizing and the attention kernels follow, so a policy never threads a flag
+through the core.
 
 - "auto" (default): a sliding-window layer releases the blocks its window has passed, so Gemma 3's
   15 local layers hold about 512 tokens each at any context; full-attention layers keep everything.
 - "dense": every layer keeps every block (the sliding layers still attend to their window only):
   the baseline that "auto" is measured against (same outputs, more memory).
+- "streaming" (StreamingLLM): every full-attention layer keeps the first `sinks` tokens and the
+  last `window`, releasing the blocks between them (a model's own sliding layers keep their window,
+  or the policy's when that is shorter), so a sequence of any length runs at flat memory and past
+  the model's trained context; `sinks=0` is the window-only baseline.
 """
 
 from __future__ import annotations
@@ -16,18 +22,35 @@ from dataclasses import dataclass
 from typing import Callable
 
 from turbollm.attention.kv_storage import KVLayout
-from turbollm.engine.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
+from turbollm.engine.kv_cache_spec import KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
 from turbollm.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class KVPolicyConfig:
+    """A policy and its options, as the engine's arguments give them (plain data)."""
+
+    name: str = "auto"
+    sinks: int | None = None  # attention sinks (streaming; default 4)
+    window: int | None = None  # tokens each layer keeps besides the sinks (streaming; required)
 
 
 @dataclass(frozen=True)
 class KVPolicy:
     name: str
     help: str
-    spec: Callable[[KVLayout, int | None], KVCacheSpec]  # (layout, window or None) -> the group's spec
+    # (layout, the layer group's own window or None, the options) -> the group's spec
+    spec: Callable[[KVLayout, int | None, KVPolicyConfig], KVCacheSpec]
+    options: tuple[str, ...] = ()  # the KVPolicyConfig fields it reads (any other given is refused)
+    releases_all: bool = False  # every group releases blocks: sequences may outgrow the trained context
+    check: Callable[[KVPolicyConfig, int], None] | None = None  # (options, block size): bad options raise
+    lossless: bool = True  # attends to what the model attends to (only memory differs)
 
 
 KV_POLICIES: dict[str, KVPolicy] = {}
+
+# the engine-argument name of each option, for error messages
+OPTION_FLAGS = {"sinks": "attention_sinks", "window": "kv_window"}
 
 
 def register_kv_policy(policy: KVPolicy) -> KVPolicy:
@@ -41,10 +64,46 @@ def get_kv_policy(name: str) -> KVPolicy:
     return KV_POLICIES[name]
 
 
+def check_kv_policy(options: KVPolicyConfig, block_size: int) -> None:
+    """Refuse an unknown policy, an option the policy does not take, or a bad value (naming the flag)."""
+    policy = get_kv_policy(options.name)
+    for field in OPTION_FLAGS:
+        if getattr(options, field) is not None and field not in policy.options:
+            raise InvalidRequestError(f"{OPTION_FLAGS[field]} applies to kv_policy "
+                                      f"{' or '.join(repr(p.name) for p in KV_POLICIES.values() if field in p.options)}"
+                                      f", not {options.name!r}")
+    if policy.check is not None:
+        policy.check(options, block_size)
+
+
+def _own(layout: KVLayout, window: int | None, release: bool = True) -> KVCacheSpec:
+    return KVCacheSpec(layout) if window is None else SlidingWindowSpec(layout, window, release_blocks=release)
+
+
+def _streaming_spec(layout: KVLayout, window: int | None, options: KVPolicyConfig) -> KVCacheSpec:
+    if window is not None and window <= options.window:  # a sliding layer whose window is already shorter
+        return SlidingWindowSpec(layout, window)
+    return SinkWindowSpec(layout, options.window, sinks=4 if options.sinks is None else options.sinks)
+
+
+def _check_streaming(options: KVPolicyConfig, block_size: int) -> None:
+    sinks = 4 if options.sinks is None else options.sinks
+    if options.window is None:
+        raise InvalidRequestError("kv_policy 'streaming' needs kv_window (the recent tokens each layer keeps)")
+    if sinks < 0:
+        raise InvalidRequestError(f"attention_sinks must be >= 0, got {sinks}")
+    if options.window < block_size or options.window < sinks:
+        raise InvalidRequestError(f"kv_window {options.window} must be at least a block ({block_size} tokens) and "
+                                  f"at least attention_sinks ({sinks})")
+
+
 register_kv_policy(KVPolicy(
     "auto", "sliding-window layers release the blocks their window has passed; other layers keep every block",
-    lambda layout, window: KVCacheSpec(layout) if window is None else SlidingWindowSpec(layout, window)))
+    lambda layout, window, options: _own(layout, window)))
 register_kv_policy(KVPolicy(
     "dense", "every layer keeps every block (sliding-window layers still attend to their window only)",
-    lambda layout, window: KVCacheSpec(layout) if window is None else SlidingWindowSpec(layout, window,
-                                                                                         release_blocks=False)))
+    lambda layout, window, options: _own(layout, window, release=False)))
+register_kv_policy(KVPolicy(
+    "streaming", "attention sinks + a window (StreamingLLM): each layer keeps the first attention_sinks tokens and "
+                 "the last kv_window, at flat memory for any length",
+    _streaming_spec, options=("sinks", "window"), releases_all=True, check=_check_streaming, lossless=False))

@@ -32,6 +32,7 @@ from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
 from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
+from turbollm.engine.kv_policy import get_kv_policy
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
@@ -72,27 +73,34 @@ class LLMEngine:
             desc = describe_model(args.model, quantization=args.quantization)
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved
-        model_len = min(args.max_model_len or self.config.max_position_embeddings,
-                        self.config.max_position_embeddings)
+        policy = args.kv_policy_config()
+        trained = self.config.max_position_embeddings
+        if get_kv_policy(policy.name).releases_all:  # every position meets keys at most a window away
+            model_len = args.max_model_len or trained
+        else:
+            model_len = min(args.max_model_len or trained, trained)
         kv_dtype = args.kv_torch_dtype(self.quantization)
         budget = args.kv_cache_bytes()
         spec_tokens = spec.num_speculative_tokens if spec is not None else 0  # drafts' blocks (window caps)
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
             budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
-                                                   args.max_num_seqs, args.kv_policy, self._batched_tokens(args),
+                                                   args.max_num_seqs, policy, self._batched_tokens(args),
                                                    spec_tokens))
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul)).encode()
         self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt,
-                                                   args.kv_policy, args.max_num_seqs, self._batched_tokens(args),
+                                                   policy, args.max_num_seqs, self._batched_tokens(args),
                                                    spec_tokens)
         self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=args.enable_prefix_caching)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; %s; prefix caching %s)",
-                    self.kv_config.num_blocks, args.block_size, self.kv_config.num_tokens,
-                    self.kv_config.total_bytes / (1 << 20), str(self.kv_config.dtype).replace("torch.", ""),
-                    self.kv_config.describe(), "on" if args.enable_prefix_caching else "off")
-        if model_len > self.kv_config.num_tokens:
+        held = self.kv_config.num_tokens
+        logger.info("KV cache: %s, %.0f MiB (%s; %s; prefix caching %s)",
+                    f"{self.kv_config.num_blocks} blocks of {args.block_size} tokens = {held} tokens" if held
+                    else "sequences of any length at flat memory", self.kv_config.total_bytes / (1 << 20),
+                    str(self.kv_config.dtype).replace("torch.", ""), self.kv_config.describe(),
+                    "on" if args.enable_prefix_caching else "off")
+        self._check_one_sequence_fits(args, spec_tokens)
+        if held is not None and model_len > held:
             # One sequence must always fit the pool alone, or it would preempt itself forever.
             logger.warning("max_model_len %d is more than the KV cache holds: capped to %d tokens (raise "
                            "kv_cache_memory for the full context)", model_len, self.kv_config.num_tokens)
@@ -113,6 +121,16 @@ class LLMEngine:
                 self.scheduler.planner.profile_seq_id = scratch
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
+
+    def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int) -> None:
+        """A group that releases blocks must hold one sequence's window alone (else a long sequence would
+        preempt itself forever); a group that keeps every block bounds max_model_len instead."""
+        for g, group in enumerate(self.kv_config.groups):
+            need = group.spec.max_blocks(1, self._batched_tokens(args), spec_tokens)
+            if need is not None and self.kv_config.blocks_of(g) < need and self.kv_config.num_tokens is None:
+                raise InvalidRequestError(
+                    f"kv_cache_memory holds {self.kv_config.blocks_of(g)} blocks for the {group.spec.kind} layers but "
+                    f"one sequence needs {need}: raise kv_cache_memory or lower kv_window / max_num_batched_tokens")
 
     @staticmethod
     def _batched_tokens(args: EngineArgs) -> int:
@@ -218,8 +236,8 @@ class LLMEngine:
         for sid in sched.unschedulable_seq_ids:
             seq = self.scheduler.seqs[sid]
             self.output_processor.fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV cache but "
-                                                       f"the cache holds {self.kv_config.num_tokens}; raise "
-                                                       f"kv_cache_memory or lower max_model_len")
+                                                       f"the cache holds {self.kv_config.num_tokens or 'less'}; "
+                                                       f"raise kv_cache_memory or lower max_model_len")
             touched[seq.request_id] = None
         if sched.is_empty:
             if not touched and self.scheduler.has_unfinished():

@@ -46,10 +46,13 @@ def _generator(params, index: int) -> torch.Generator | None:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None,
-                 layer_groups: list[int] | None = None, hooks: LayerHooks | None = None):
+                 layer_groups: list[int] | None = None, hooks: LayerHooks | None = None,
+                 group_attention: list[tuple[int | None, int]] | None = None):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
         self.num_groups = max(self.layer_groups) + 1
+        # per group, the (window, sinks) its KV policy sets (KVCacheConfig.group_attention)
+        self.group_attention = group_attention or [(None, 0)] * self.num_groups
         self.hooks = hooks
         # decode steps and steps of a few tokens may run their layers in one C++ call (None: always the modules)
         self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks) if fused_decode else None
@@ -115,7 +118,7 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
         metas = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.int64), qsl, seq_lens, _table_tensor(tables[g]),
-                                   bs) for g in groups]
+                                   bs, *self.group_attention[g]) for g in groups]
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), metas[0],
                             self.kv_caches, self.backend, max_position=max(seq_lens) - 1,
                             layer_attn=[metas[g] for g in self.layer_groups] if self.num_groups > 1 else None,

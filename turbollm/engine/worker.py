@@ -31,7 +31,8 @@ class Worker:
         set_qmatmul(self.loaded.model, args.qmatmul)  # this engine's numerics, on its model only
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config), args.block_size,
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
-                                  seed=args.seed, layer_groups=kv_config.layer_groups)
+                                  seed=args.seed, layer_groups=kv_config.layer_groups,
+                                  group_attention=kv_config.group_attention)
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""

@@ -17,8 +17,19 @@ class Attention(nn.Module):
         self.scale, self.window, self.softcap = scale, window, softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; kv_cache: this layer's paged storage."""
+                meta: AttentionMetadata, backend: AttentionBackend, q_sink: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; kv_cache: this layer's paged storage; q_sink:
+        the queries rotated to their sink position (`sink_positions`) when the group keeps attention sinks."""
         k_cache, v_cache = kv_cache.k, kv_cache.v
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        return backend.forward(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
+        window = self.window if meta.window is None else meta.window
+        if meta.sinks:
+            return backend.forward(q, k_cache, v_cache, meta, self.scale, window, self.softcap,
+                                   sinks=meta.sinks, q_sink=q_sink)
+        return backend.forward(q, k_cache, v_cache, meta, self.scale, window, self.softcap)
+
+
+def sink_positions(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The position each query takes when it scores the sinks: min(p, sinks + window - 1) (StreamingLLM's
+    positions within the cache: the sinks first, then the window, the query last)."""
+    return positions.clamp(max=meta.sinks + meta.window - 1)

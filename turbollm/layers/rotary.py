@@ -57,6 +57,16 @@ class RotaryEmbedding(nn.Module):
         return rope_reference(positions, q, k, self.cos, self.sin)
 
 
+    def rotate_q(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] rotated to `positions` (within the tables `forward` grew), in place when the kernel
+        takes it (the same arithmetic as `forward`: a position's rotation is bit-identical either way)."""
+        kernels = cpu_kernels()
+        if kernels is not None and q.dtype == torch.float32 and q.is_contiguous():
+            kernels.rope_(q, q[:, :0], positions, self.cos, self.sin)
+            return q
+        return _rotate(q, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+
 def rope_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
                    sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain PyTorch NeoX rotation of q and k (new tensors)."""

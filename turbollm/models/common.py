@@ -20,7 +20,7 @@ from torch import nn
 from turbollm.config import ModelConfig
 from turbollm.errors import WeightLoadError
 from turbollm.layers.activation import GatedActivation
-from turbollm.layers.attention import Attention
+from turbollm.layers.attention import Attention, sink_positions
 from turbollm.layers.embedding import LMHead, VocabEmbedding
 from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turbollm.layers.norm import RMSNorm
@@ -62,8 +62,12 @@ class SelfAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        meta = batch.attn_for(self.layer_idx)
+        q_sink = q.clone(memory_format=torch.contiguous_format) if meta.sinks else None  # before its rotation
         q, k = self.rotary(batch.positions, q, k, batch.max_position)
-        out = self.attn(q, k, v, batch.kv_caches[self.layer_idx], batch.attn_for(self.layer_idx), batch.backend)
+        if q_sink is not None:  # the queries at their sink position
+            q_sink = self.rotary.rotate_q(sink_positions(batch.positions, meta), q_sink)
+        out = self.attn(q, k, v, batch.kv_caches[self.layer_idx], meta, batch.backend, q_sink)
         out = self.o_proj(out)
         if batch.hooks is not None and batch.hooks.attn_out is not None:
             batch.hooks.attn_out(self.layer_idx, out)

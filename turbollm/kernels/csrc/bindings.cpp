@@ -9,10 +9,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "query_start_loc, each of a sequence's few new tokens attended as a decode of its own position",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
-        pybind11::arg("query_start_loc") = pybind11::none());
+        pybind11::arg("query_start_loc") = pybind11::none(), pybind11::arg("sinks") = 0,
+        pybind11::arg("q_sink") = pybind11::none());
   m.attr("small_query_max") = kSmallQueryMax;
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache for any number of new tokens per "
-        "sequence (tiled over keys, online softmax)");
+        "sequence (tiled over keys, online softmax)", pybind11::arg("q"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
+        pybind11::arg("sinks") = 0, pybind11::arg("q_sink") = pybind11::none());
   m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x, optionally after residual += x (in place)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());

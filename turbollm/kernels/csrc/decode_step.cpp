@@ -159,6 +159,17 @@ class DecodeStep {
     groups_ = std::move(groups);
   }
 
+  // Per KV-cache group, the window its KV policy sets (-1: each layer's own) and its attention sinks
+  // (0: none; StreamingLLM): a sink layer scores the sinks with its queries rotated to
+  // min(p, sinks + window - 1), as attention/backend.py's sinks do.
+  void set_group_attention(std::vector<int64_t> windows, std::vector<int64_t> sinks) {
+    TORCH_CHECK(windows.size() == sinks.size(), "decode step: one window and one sink count per group");
+    for (size_t g = 0; g < sinks.size(); ++g)
+      TORCH_CHECK(sinks[g] == 0 || windows[g] > 0, "decode step: group ", g, " has sinks but no window");
+    group_window_ = std::move(windows);
+    group_sinks_ = std::move(sinks);
+  }
+
   // Hooks, called with (layer index, tensor) and allowed to change the tensor in place: after each
   // attention output projection and each MLP down projection, before any norm (where a tensor-
   // parallel all-reduce goes). None: no call. The module path calls the same hooks at the same points.
@@ -195,6 +206,9 @@ class DecodeStep {
       for (int64_t s = 0; s + 1 < qsl.numel(); ++s) tiled = tiled || qs[s + 1] - qs[s] > kSmallQueryMax;
     }
     torch::Tensor residual = residual_in ? *residual_in : torch::Tensor();
+    std::vector<torch::Tensor> sink_pos(group_sinks_.size());  // per sink group: min(p, sinks + window - 1)
+    for (size_t g = 0; g < group_sinks_.size(); ++g)
+      if (group_sinks_[g] > 0) sink_pos[g] = positions.clamp_max(group_sinks_[g] + group_window_[g] - 1);
     for (int64_t i = start; i < end; ++i) {
       const Layer& L = layers_[i];
       torch::Tensor h;
@@ -214,13 +228,19 @@ class DecodeStep {
         q = rms_norm(q, *L.q_norm, L.eps, c10::nullopt);
         k = rms_norm(k, *L.k_norm, L.eps, c10::nullopt);
       }
-      rope_(q, k, positions, L.cos, L.sin);
       const int64_t g = groups_[i];
+      const bool policy = g < (int64_t)group_window_.size();
+      const int64_t window = policy && group_window_[g] > 0 ? group_window_[g] : L.window;
+      const int64_t sinks = policy ? group_sinks_[g] : 0;
+      c10::optional<torch::Tensor> q_sink;
+      if (sinks > 0) q_sink = q.clone(at::MemoryFormat::Contiguous);  // before its rotation
+      rope_(q, k, positions, L.cos, L.sin);
+      if (q_sink) rope_(*q_sink, q_sink->narrow(1, 0, 0), sink_pos[g], L.cos, L.sin);
       paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mappings[g]);
       torch::Tensor a = (tiled ? paged_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], *query_start_loc,
-                                                 seq_lens, L.scale, L.window, L.softcap)
+                                                 seq_lens, L.scale, window, L.softcap, sinks, q_sink)
                                : paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens,
-                                                        L.scale, L.window, L.softcap, query_start_loc))
+                                                        L.scale, window, L.softcap, query_start_loc, sinks, q_sink))
                             .reshape({B, -1});
       torch::Tensor o = L.o(a, levels);
       call_hook(attn_out_, i, o);
@@ -247,6 +267,7 @@ class DecodeStep {
   py::object attn_out_, mlp_out_;
   std::vector<torch::Tensor> k_, v_;
   std::vector<int64_t> groups_;
+  std::vector<int64_t> group_window_, group_sinks_;  // per KV-cache group (empty: the layers' own, no sinks)
 };
 
 }  // namespace
@@ -256,6 +277,8 @@ void bind_decode_step(py::module_& m) {
       .def(py::init<>())
       .def("add_layer", &DecodeStep::add_layer, "append a layer described by a dict of tensors and constants")
       .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage and the KV group of every layer")
+      .def("set_group_attention", &DecodeStep::set_group_attention,
+           "per KV-cache group, its policy's window (-1: the layers' own) and attention sinks")
       .def("set_hooks", &DecodeStep::set_hooks, "callables (layer, tensor) after attention and MLP outputs, or None")
       .def("forward", &DecodeStep::forward, "run layers [start, end); returns (block output, residual stream)",
            py::call_guard<py::gil_scoped_release>());

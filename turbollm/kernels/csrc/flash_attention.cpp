@@ -15,6 +15,11 @@
 // With few tasks (one sequence verifying a handful of tokens, or one long chunk with one KV head)
 // the keys of a task are split in parts (split-K, as the decode kernel does) whose partial
 // (m, l, acc) are merged afterwards, so every thread has work.
+//
+// With attention sinks (StreamingLLM: `sinks` > 0 with a window), a row at position p also sees the
+// positions j < sinks older than its window, scored with its row of q_sink (the query rotated to the
+// sinks' position): the first part of each task walks them before the window's keys, in the same
+// online softmax.
 // Reference: turbollm/attention/backend.py attend_one (tests/test_flash_attention.py holds them).
 #include "ops.h"
 #include <ATen/Parallel.h>
@@ -35,22 +40,33 @@ struct TaskDef {
   int64_t b, h, i0, i1;  // sequence, KV head, its new tokens [i0, i1)
   int64_t k0, k1;        // the keys [k0, k1) this task covers
   int64_t part;          // index of its partial result (split tasks), -1: writes the output
+  bool sinks;            // the first part of its tile: it walks the sink positions too
+};
+
+struct SinkArgs {
+  int64_t sinks;     // sink positions (0: none)
+  const float* q;    // q_sink rows (the query rotated to the sinks' position)
+  int64_t stride;    // q_sink's row stride
 };
 
 template <class T>
 void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, const T* vp, const int64_t* table,
               int64_t q0, int64_t first_pos, int64_t BS, int64_t Hk, int64_t G, int64_t D, float scale, float cap,
-              int64_t window, float* m, float* l, float* acc, std::vector<float>& scores,
+              int64_t window, const SinkArgs& sk, float* m, float* l, float* acc, std::vector<float>& scores,
               std::vector<const T*>& rows, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
   const int64_t nq = tk.i1 - tk.i0, R = nq * G;
   const float ninf = -std::numeric_limits<float>::infinity();
-  lo.resize(R);
-  hi.resize(R);
+  lo.resize(2 * R);
+  hi.resize(2 * R);
+  int64_t sink_top = 0;  // the sink positions [0, sink_top) some row of the tile sees
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t p = first_pos + tk.i0 + i;  // this token's position
     for (int64_t g = 0; g < G; ++g) {
       lo[i * G + g] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       hi[i * G + g] = p + 1;  // keys [lo, hi) are visible
+      lo[R + i * G + g] = 0;  // the sinks older than the window: [0, min(sinks, lo))
+      hi[R + i * G + g] = tk.sinks ? std::min(sk.sinks, lo[i * G + g]) : 0;
+      sink_top = std::max(sink_top, hi[R + i * G + g]);
     }
   }
   std::fill(m, m + R, ninf);
@@ -59,8 +75,8 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
   scores.resize(R * kKTile);
   rows.resize(kKTile);
   int64_t off[kKTile];
-  for (int64_t t0 = tk.k0; t0 < tk.k1; t0 += kKTile) {
-    const int64_t n = std::min(kKTile, tk.k1 - t0);
+  // keys [t0, t0 + n) for every row r (visible: [LO[r], HI[r])), queries from qbase's rows
+  auto step = [&](int64_t t0, int64_t n, const float* qbase, int64_t qstr, const int64_t* LO, const int64_t* HI) {
     int64_t blk = t0 / BS, slot = t0 % BS;
     for (int64_t j = 0; j < n; ++j) {
       off[j] = ((table[blk] * BS + slot) * Hk + tk.h) * D;
@@ -71,9 +87,9 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
-        const float* q = qp + (q0 + tk.i0 + i) * qstride + (tk.h * G + g) * D;
+        const float* q = qbase + (q0 + tk.i0 + i) * qstr + (tk.h * G + g) * D;
         float* s = scores.data() + r * n;
-        const int64_t a = std::max<int64_t>(lo[r] - t0, 0), e = std::min<int64_t>(hi[r] - t0, n);
+        const int64_t a = std::max<int64_t>(LO[r] - t0, 0), e = std::min<int64_t>(HI[r] - t0, n);
         int64_t j = 0;
 #ifdef __AVX2__
         if (D % 8 == 0)
@@ -93,7 +109,7 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
     // online softmax: rescale what the row has, add this step's exp(s - m)
     for (int64_t r = 0; r < R; ++r) {
       float* s = scores.data() + r * n;
-      const int64_t a = std::max<int64_t>(lo[r] - t0, 0), e = std::min<int64_t>(hi[r] - t0, n);
+      const int64_t a = std::max<int64_t>(LO[r] - t0, 0), e = std::min<int64_t>(HI[r] - t0, n);
       if (a >= e) {  // nothing visible to this row here
         std::fill(s, s + n, 0.f);
         continue;
@@ -114,13 +130,18 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
     // acc += P V
     for (int64_t j = 0; j < n; ++j) rows[j] = vp + off[j];
     accum_pv(rows.data(), scores.data(), n, R, acc, D);
-  }
+  };
+  for (int64_t t0 = 0; t0 < sink_top; t0 += kKTile)
+    step(t0, std::min(kKTile, sink_top - t0), sk.q, sk.stride, lo.data() + R, hi.data() + R);
+  for (int64_t t0 = tk.k0; t0 < tk.k1; t0 += kKTile)
+    step(t0, std::min(kKTile, tk.k1 - t0), qp, qstride, lo.data(), hi.data());
 }
 
 template <class T>
 torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                             const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                             const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                             const SinkArgs& sk) {
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto qsl = query_start_loc.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
@@ -153,7 +174,8 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
       split = (k1 - k0 + step - 1) / step;
       for (int64_t h = 0; h < Hk; ++h)
         for (int64_t s = 0; s < split; ++s)
-          tasks.push_back({b, h, i0, i1, k0 + s * step, std::min(k1, k0 + (s + 1) * step), split > 1 ? parts++ : -1});
+          tasks.push_back({b, h, i0, i1, k0 + s * step, std::min(k1, k0 + (s + 1) * step), split > 1 ? parts++ : -1,
+                           sk.sinks > 0 && s == 0});
     }
   }
   const int64_t rows_max = kQTile * G;
@@ -175,7 +197,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
       float* buf = tk.part >= 0 ? partial.data() + tk.part * rows_max * (D + 2) : own.data();
       float *m = buf, *l = buf + R, *acc = buf + 2 * R;
       run_task<T>(tk, qp, qstride, kp, vp, btp + tk.b * W, qs[tk.b], lp[tk.b] - (qs[tk.b + 1] - qs[tk.b]), BS, Hk,
-                  G, D, fscale, cap, window, m, l, acc, scores, rows, lo, hi);
+                  G, D, fscale, cap, window, sk, m, l, acc, scores, rows, lo, hi);
       if (tk.part >= 0) continue;
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -211,8 +233,16 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                              double scale, int64_t window, double softcap) {
+                              double scale, int64_t window, double softcap, int64_t sinks,
+                              c10::optional<torch::Tensor> q_sink) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
+  SinkArgs sk{0, nullptr, 0};
+  if (sinks > 0) {
+    TORCH_CHECK(window > 0 && q_sink && q_sink->dtype() == torch::kFloat32 && q_sink->sizes() == q.sizes() &&
+                    q_sink->stride(2) == 1 && q_sink->stride(1) == q.size(2),
+                "attention sinks need a window and a float32 q_sink shaped like q with contiguous rows");
+    sk = {sinks, q_sink->data_ptr<float>(), q_sink->stride(0)};
+  }
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
                   (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
               "K/V caches must both be float32 or both float16");
@@ -220,6 +250,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "contiguous [N, BS, Hk, D] caches");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches must share the head dim");
   if (k_cache.dtype() == torch::kFloat16)
-    return attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap);
-  return attention_impl<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap);
+    return attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap,
+                                    sk);
+  return attention_impl<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap, sk);
 }

@@ -18,12 +18,14 @@
 constexpr int64_t kSmallQueryMax = 8;
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc);
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc,
+                                     int64_t sinks = 0, c10::optional<torch::Tensor> q_sink = c10::nullopt);
 void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                              double scale, int64_t window, double softcap);
+                              double scale, int64_t window, double softcap, int64_t sinks = 0,
+                              c10::optional<torch::Tensor> q_sink = c10::nullopt);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gated_act(torch::Tensor gate_up, int64_t act);

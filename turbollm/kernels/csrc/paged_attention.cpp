@@ -16,7 +16,10 @@
 // positions. Each row is then computed exactly as a one-token decode of that position would be
 // (row invariance: a token's output does not depend on the tokens that came with it), at the cost of
 // reading the cached K/V once per row rather than once per sequence.
-// Reference: turbollm/attention/backend.py attend_decode_batch (tests hold them together).
+// With attention sinks (StreamingLLM, `sinks` > 0 with a window), a row at position p also sees the
+// positions j < sinks older than its window, scored with its row of q_sink (the query rotated to the
+// sinks' position): one more task per (row, head), merged with the window's chunks like any chunk.
+// Reference: turbollm/attention/backend.py attend_decode_batch / attend_one (tests hold them together).
 #include "ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -86,7 +89,8 @@ template <class T>
 torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                     const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                    const c10::optional<torch::Tensor>& query_start_loc) {
+                                    const c10::optional<torch::Tensor>& query_start_loc, int64_t sinks,
+                                    const float* qsp, int64_t qs_stride) {
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -124,13 +128,15 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  // Tasks: for each sequence b, head h, chunk c of its window [start, L). first[b] is the index
-  // of (b, 0, 0); sequence b has nch[b] chunks per head.
-  std::vector<int64_t> first(B + 1, 0), nch(B, 0), start(B, 0);
+  // Tasks: for each sequence b, head h, chunk c of its window [start, L), after the chunk of its sinks
+  // [0, sink_end) when it has one (c = 0). first[b] is the index of (b, 0, 0); sequence b has nch[b]
+  // chunks per head.
+  std::vector<int64_t> first(B + 1, 0), nch(B, 0), start(B, 0), sink_end(B, 0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lp[b];
     start[b] = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-    nch[b] = L > start[b] ? (L - start[b] + kChunk - 1) / kChunk : 0;
+    sink_end[b] = qsp != nullptr ? std::min(sinks, start[b]) : 0;
+    nch[b] = (L > start[b] ? (L - start[b] + kChunk - 1) / kChunk : 0) + (sink_end[b] > 0);
     first[b + 1] = first[b] + Hk * nch[b];
   }
   const int64_t tasks = first[B];
@@ -147,7 +153,9 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
     std::vector<int64_t> off;
     for (int64_t j = begin; j < end; ++j) {
       const int64_t b = task_seq[j], r = j - first[b], h = r / nch[b], c = r % nch[b];
-      const int64_t t0 = start[b] + c * kChunk, t1 = std::min(lp[b], t0 + kChunk);
+      const bool sink = sink_end[b] > 0 && c == 0;
+      const int64_t cw = c - (sink_end[b] > 0);  // index among the window's chunks
+      const int64_t t0 = sink ? 0 : start[b] + cw * kChunk, t1 = sink ? sink_end[b] : std::min(lp[b], t0 + kChunk);
       const int64_t* table = btp + tab[b] * W;
       off.resize(t1 - t0);  // row offsets, walking the block table (no division per position)
       int64_t blk = t0 / BS, slot = t0 % BS;
@@ -155,7 +163,7 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
         off[i] = ((table[blk] * BS + slot) * Hk + h) * D;
         if (++slot == BS) { slot = 0; ++blk; }
       }
-      const Task tk{qp + b * qstride + h * G * D, G, D, fscale, cap};
+      const Task tk{(sink ? qsp + b * qs_stride : qp + b * qstride) + h * G * D, G, D, fscale, cap};
       float* pt = partial.data() + j * part;
       attend_chunk<T>(tk, t1 - t0, kp, vp, off.data(), pt, pt + G, pt + 2 * G, scores, rows);
       if (nch[b] == 1) {  // the whole window in one chunk: normalize into the output now
@@ -186,8 +194,18 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc) {
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc,
+                                     int64_t sinks, c10::optional<torch::Tensor> q_sink) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
+  const float* qsp = nullptr;
+  int64_t qs_stride = 0;
+  if (sinks > 0) {
+    TORCH_CHECK(window > 0 && q_sink && q_sink->dtype() == torch::kFloat32 && q_sink->sizes() == q.sizes() &&
+                    q_sink->stride(2) == 1 && q_sink->stride(1) == q.size(2),
+                "attention sinks need a window and a float32 q_sink shaped like q with contiguous rows");
+    qsp = q_sink->data_ptr<float>();
+    qs_stride = q_sink->stride(0);
+  }
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
                   (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
               "K/V caches must both be float32 or both float16");
@@ -195,9 +213,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   if (k_cache.dtype() == torch::kFloat16)
     return decode_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
-                                           query_start_loc);
+                                           query_start_loc, sinks, qsp, qs_stride);
   return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
-                                      query_start_loc);
+                                      query_start_loc, sinks, qsp, qs_stride);
 }
 
 // k, v: [T, Hk, D] (rows may be strided); caches [num_blocks, block_size, Hk, D]; token t goes to
