@@ -251,6 +251,18 @@ def test_float16_kv_candidate_is_measured_against_float32(tiny, tiny_folder, tmp
                  "--no-progress", "--json", str(out32)]) == 0
     rev = json.loads(out32.read_text())
     assert rev["reference_kv_cache_dtype"] == "float16" and rev["kld_mean"] == pytest.approx(rec["kld_mean"], rel=0.5)
+    # int8 / int4 K/V against float16 (64-token windows, recent window 8: the first 32-token block of each
+    # window is read back quantized): some KL, int4 more than int8
+    kl = {}
+    for name in ("int8", "int4"):
+        outq = tmp_path / f"kv{name}.json"
+        assert main(["eval", "ppl", str(tiny_folder), "--data", str(tmp_path / "text.raw"), "--ctx", "64",
+                     "--kv-cache-dtype", name, "--kv-recent-window", "8", "--reference-kv-cache-dtype", "float16",
+                     "--threads", "1", "--no-progress", "--json", str(outq)]) == 0
+        r = json.loads(outq.read_text())
+        assert r["kv_cache_dtype"] == name and r["kv_recent_window"] == 8
+        kl[name] = r["kld_mean"]
+    assert 0 < kl["int8"] < kl["int4"], kl
 
 
 # ----------------------------------------------------------------------------- CLI

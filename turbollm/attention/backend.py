@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from turbollm.attention.kv_quant import gather_reference, write_reference
+from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.attention.metadata import AttentionMetadata
 
 ATTENTION_BACKENDS: dict[str, type["AttentionBackend"]] = {}
@@ -34,6 +36,21 @@ class AttentionBackend:
         vc = v_cache.view(-1, *v_cache.shape[2:])
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+
+    def write_kv_quant(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata) -> None:
+        """A quantized format: the blocks leaving the recent window quantized, the newest tokens to the ring."""
+        write_reference(k, v, cache, meta.block_tables, meta.query_start_loc, meta.recent)
+
+    def forward_quant(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+                      window: int | None, softcap: float | None) -> torch.Tensor:
+        """Attention over a quantized format (the reference: each sequence's K/V dequantized, then `attend_one`)."""
+        qsl, rec = meta.query_start_loc, meta.recent
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for i in range(meta.num_seqs):
+            start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+            k, v = gather_reference(cache, meta.block_tables[i], rec.slots[i], rec.qlo_new[i], seq_len)
+            out[start:end] = attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap)
+        return out
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, softcap: float | None, sinks: int = 0,
@@ -213,11 +230,46 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
 
     use_kernels = True
 
+    def write_kv_quant(self, k, v, cache, meta):
+        if self.kernels is None or k.dtype != torch.float32:
+            return super().write_kv_quant(k, v, cache, meta)
+        t = meta.derived("recent_tensors", lambda: recent_tensors(meta))
+        self.kernels.paged_write_kv_quant(_rows_contiguous(k), _rows_contiguous(v), cache.k, cache.v, cache.k_scale,
+                                          cache.v_scale, cache.k_recent, cache.v_recent, meta.block_tables,
+                                          t["qsl"], t["slots"], t["first"], t["old"], t["new"],
+                                          cache.layout.ring_blocks, QUANT_BITS[cache.layout.quant])
+
+    def forward_quant(self, q, cache, meta, scale, window, softcap):
+        if self.kernels is None or q.dtype != torch.float32:
+            return super().forward_quant(q, cache, meta, scale, window, softcap)
+        t = meta.derived("recent_tensors", lambda: recent_tensors(meta))
+        kv = [cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_recent, cache.v_recent]
+        lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
+        args = (cache.layout.ring_blocks, QUANT_BITS[cache.layout.quant], scale, window or -1, softcap or 0.0)
+        if meta.max_query_len <= self.kernels.small_query_max:  # decodes, a few tokens: one decode per token
+            res = self.kernels.paged_decode_attention_quant(_rows_contiguous(q), kv, meta.block_tables, lens,
+                                                            t["slots"], t["new"], *args,
+                                                            None if meta.is_pure_decode else t["qsl"])
+        else:
+            res = self.kernels.paged_attention_quant(_rows_contiguous(q), kv, meta.block_tables, t["qsl"], lens,
+                                                     t["slots"], t["new"], *args)
+        return res.reshape(q.shape[0], -1)
+
     def write_kv(self, k, v, k_cache, v_cache, meta):
         same = k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.float16)
         if self.kernels is None or not same or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype:
             return super().write_kv(k, v, k_cache, v_cache, meta)
         self.kernels.paged_write_kv(_rows_contiguous(k), _rows_contiguous(v), k_cache, v_cache, meta.slot_mapping)
+
+
+QUANT_BITS = {"int8": 8, "int4": 4}
+
+
+def recent_tensors(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+    """A quantized format's per-sequence step data as the kernels take it (built once per step and group)."""
+    rec = meta.recent
+    return {"qsl": torch.tensor(meta.query_start_loc), "slots": torch.tensor(rec.slots),
+            "first": torch.tensor(rec.first_pos), "old": torch.tensor(rec.qlo_old), "new": torch.tensor(rec.qlo_new)}
 
 
 def get_attention_backend(name: str = "cpu") -> AttentionBackend:

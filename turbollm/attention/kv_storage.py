@@ -3,8 +3,16 @@
 K and V are `[num_blocks, block_size, num_kv_heads, head_dim]` each; token t of a sequence lives
 in slot `block_table[t // block_size] * block_size + t % block_size` of its layer's group table.
 `KVLayout` is what a kernel needs to read a block in place (element type, block size, heads, head
-dim); a quantized KV format extends it and fills `k_scale` / `v_scale` (none of today's formats
-has scales: float32 and float16 store the values themselves).
+dim, and for a quantized format its recent window).
+
+Quantized formats (`kv_cache_dtype` int8 / int4, `attention/kv_quant.py`): a block holds its tokens
+as integers — int8 symmetric, or int4 asymmetric packed two to a byte along head_dim — with K
+scaled per channel over the block's tokens (KIVI: K has outlier channels) and V per token, scales
+(and int4's minima) in float16: `k_scale` [N, Hk, D] (int4: [N, 2, Hk, D], scale then minimum),
+`v_scale` [N, bs, Hk] (int4: [N, bs, Hk, 2]). A block is quantized once it is complete and older
+than the sequence's last `recent_window` tokens; until then its tokens live in float16 in the
+sequence's ring of recent blocks (`k_recent`, `v_recent`: `ring_blocks` blocks per sequence slot),
+so the newest tokens are always read at full precision.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# storage element type of each quantized format (kv_cache_dtype name -> torch dtype)
+QUANT_FORMATS = {torch.int8: "int8", torch.uint8: "int4"}
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -21,6 +32,12 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    recent_window: int = 0  # quantized formats: the newest tokens kept in float16
+
+    @property
+    def quant(self) -> str | None:
+        """"int8" / "int4" for a quantized format, None for float32 / float16."""
+        return QUANT_FORMATS.get(self.dtype)
 
     @property
     def itemsize(self) -> int:
@@ -31,25 +48,61 @@ class KVLayout:
         return self.block_size, self.num_kv_heads, self.head_dim
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+    def block_bytes(self) -> int:
+        """K and V of one block in one layer, scales included (the recent window's ring is a per-sequence
+        cost, `ring_bytes`)."""
+        bs, H, D = self.block_shape
+        if self.quant == "int8":  # int8 values; K: a float16 scale per channel, V: one per token
+            return 2 * bs * H * D + 2 * H * D + 2 * bs * H
+        if self.quant == "int4":  # two values a byte; K: scale and minimum per channel, V: per token
+            return bs * H * D + 4 * H * D + 4 * bs * H
+        return 2 * bs * H * D * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> float:
+        """K and V of one token in one layer (a quantized format: averaged over its block)."""
+        return self.block_bytes / self.block_size
+
+    @property
+    def ring_blocks(self) -> int:
+        """Recent blocks per sequence slot: the window plus the block being filled, plus one (a step's
+        newest tokens never overwrite what is still to be quantized)."""
+        return -(-self.recent_window // self.block_size) + 2 if self.quant else 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """One sequence slot's float16 ring, K and V, in one layer."""
+        return self.ring_blocks * self.block_size * 2 * self.num_kv_heads * self.head_dim * 2
 
 
 @dataclass
 class LayerKVCache:
-    """A layer's K/V blocks (and, for a quantized format, their scales), described by `layout`."""
+    """A layer's K/V blocks (and, for a quantized format, their scales and the sequence slots' float16
+    rings of recent blocks), described by `layout`."""
 
     k: torch.Tensor
     v: torch.Tensor
     layout: KVLayout
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_recent: torch.Tensor | None = None
+    v_recent: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, layout: KVLayout, num_blocks: int) -> "LayerKVCache":
+    def allocate(cls, layout: KVLayout, num_blocks: int, recent_slots: int = 0) -> "LayerKVCache":
         shape = (num_blocks, *layout.block_shape)
-        return cls(_lazy_zeros(shape, layout.dtype), _lazy_zeros(shape, layout.dtype), layout)
+        if layout.quant is None:
+            return cls(_lazy_zeros(shape, layout.dtype), _lazy_zeros(shape, layout.dtype), layout)
+        bs, H, D = layout.block_shape
+        if layout.quant == "int4" and D % 2:
+            raise ValueError(f"int4 K/V packs two values a byte: head_dim {D} must be even")
+        packed = (num_blocks, bs, H, D // 2) if layout.quant == "int4" else shape
+        ks = (num_blocks, 2, H, D) if layout.quant == "int4" else (num_blocks, H, D)
+        vs = (num_blocks, bs, H, 2) if layout.quant == "int4" else (num_blocks, bs, H)
+        ring = (max(1, recent_slots) * layout.ring_blocks, bs, H, D)
+        return cls(_lazy_zeros(packed, layout.dtype), _lazy_zeros(packed, layout.dtype), layout,
+                   _lazy_zeros(ks, torch.float16), _lazy_zeros(vs, torch.float16),
+                   _lazy_zeros(ring, torch.float16), _lazy_zeros(ring, torch.float16))
 
     @classmethod
     def of(cls, k: torch.Tensor, v: torch.Tensor) -> "LayerKVCache":
@@ -61,13 +114,20 @@ class LayerKVCache:
         return self.k.shape[0]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Block dst[i] becomes a copy of block src[i] (copy-on-write), scales included."""
+        """Block dst[i] becomes a copy of block src[i] (copy-on-write), scales included (the rings belong to
+        sequences, not blocks: a fork copies its parent's, `copy_ring`)."""
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
                 t.index_copy_(0, dst, t.index_select(0, src))
 
+    def copy_ring(self, src_slot: int, dst_slot: int) -> None:
+        m = self.layout.ring_blocks
+        for t in (self.k_recent, self.v_recent):
+            if t is not None:
+                t[dst_slot * m:(dst_slot + 1) * m] = t[src_slot * m:(src_slot + 1) * m]
 
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8, torch.uint8: np.uint8}
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from turbollm.attention.kv_quant import RecentMeta
+
 
 @dataclass
 class AttentionMetadata:
@@ -26,6 +28,8 @@ class AttentionMetadata:
     # (None: each layer's), and the sink positions attended beside it (StreamingLLM; 0: none)
     window: int | None = None
     sinks: int = 0
+    # A quantized K/V format's per-sequence ring slots and quantized-part bounds (`attention/kv_quant.py`)
+    recent: RecentMeta | None = None
     # Values derived from the fields above that every layer needs (decode index tensors...),
     # computed once per step by the first layer that asks: see `derived`.
     _derived: dict = field(default_factory=dict, repr=False, compare=False)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import replace
 
 from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
 
@@ -41,9 +40,15 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
 
     policies = ns.kv_policy or ["dense", "auto"]
     dtypes = ns.kv_cache_dtype or ["auto"]
+    def args_for(policy: str, dtype: str):
+        from turbollm.engine.engine_args import QUANTIZED_KV
+
+        return engine_args_from(argparse.Namespace(**{
+            **vars(ns), "kv_policy": policy, "kv_cache_dtype": dtype, **policy_options(policy, ns),
+            "kv_recent_window": ns.kv_recent_window if dtype in QUANTIZED_KV else None}))
+
     for policy, dtype in itertools.product(policies, dtypes):  # every name checked before any model loads
-        args = engine_args_from(argparse.Namespace(**{**vars(ns), "kv_policy": policy, "kv_cache_dtype": dtype,
-                                                      **policy_options(policy, ns)}))
+        args_for(policy, dtype)
     text = load_text(ns.data)
     setting = {"model": ns.model, "ctx": ns.ctx, "max_tokens": ns.max_tokens, "kv_policies": policies,
                "kv_cache_dtypes": dtypes, "max_num_batched_tokens": ns.max_num_batched_tokens,
@@ -52,7 +57,7 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
     print("setting: " + json.dumps(setting))
     rows, ref = [], None
     for policy, dtype in itertools.product(policies, dtypes):
-        run = run_setting(replace(args, kv_policy=policy, **policy_options(policy, ns)), policy, dtype, ns.ctx, ns.max_tokens, text)
+        run = run_setting(args_for(policy, dtype), policy, dtype, ns.ctx, ns.max_tokens, text)
         row = run.row(ref)
         ref = ref or run
         rows.append({**row, "groups": run.groups})

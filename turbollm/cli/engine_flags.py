@@ -36,12 +36,17 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16; 32 for int8/int4 K/V)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache budget in GiB")
     p.add_argument("--kv-cache-dtype", **multi("kv_cache_dtype", "auto"), choices=list(KV_CACHE_DTYPES),
                    help="K/V storage: float32, or float16 (half the bytes attention reads; values rounded to "
                         "fp16); auto (default): float16 for quantized weights (GGUF block types, --quantization "
-                        "int8/int4/int3, GPTQ/AWQ folders), as llama.cpp, float32 for the fp32 reference")
+                        "int8/int4/int3, GPTQ/AWQ folders), as llama.cpp, float32 for the fp32 reference; int8 / "
+                        "int4: quantized blocks (K per channel, V per token, float16 scales) with the newest "
+                        "--kv-recent-window tokens in float16")
+    p.add_argument("--kv-recent-window", type=int, default=None,
+                   help="with --kv-cache-dtype int8/int4: the newest tokens of each sequence kept in float16 "
+                        "(default 128)")
     p.add_argument("--kv-policy", **multi("kv_policy", "auto"),
                    help="which K/V each layer keeps: auto (default; sliding-window layers such as Gemma 3's release "
                         "the blocks their window has passed), dense (every layer keeps every block), streaming "
@@ -79,6 +84,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
         kv_cache_dtype=ns.kv_cache_dtype, kv_policy=getattr(ns, "kv_policy", "auto"), enforce_eager=ns.enforce_eager,
-        attention_sinks=ns.attention_sinks, kv_window=ns.kv_window,
+        attention_sinks=ns.attention_sinks, kv_window=ns.kv_window, kv_recent_window=ns.kv_recent_window,
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
         speculative_config=getattr(ns, "speculative_config", None))

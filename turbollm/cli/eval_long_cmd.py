@@ -37,6 +37,8 @@ def add_kv_settings(p: argparse.ArgumentParser) -> None:
                    help="K/V storage dtypes to run in turn (default: auto)")
     p.add_argument("--quantization", default=None, help="weights' linear method (default: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--kv-recent-window", type=int, default=None,
+                   help="with --kv-cache-dtype int8/int4: each sequence's newest tokens kept in float16 (default 128)")
     add_chunk_flag(p)
     add_streaming_flags(p)
 
@@ -68,6 +70,7 @@ class KVSetting:
     dtype: str
     sinks: int | None = None
     window: int | None = None
+    recent: int | None = None  # a quantized dtype's recent window (None: the engine's default)
 
     @property
     def label(self) -> str:
@@ -77,7 +80,7 @@ class KVSetting:
 
     def engine_kwargs(self) -> dict:
         return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype, "attention_sinks": self.sinks,
-                "kv_window": self.window}
+                "kv_window": self.window, "kv_recent_window": self.recent}
 
     def record(self) -> dict:
         return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype,
@@ -89,12 +92,15 @@ def settings(ns: argparse.Namespace) -> list[KVSetting]:
     """Each policy × dtype; a policy that takes sinks and a window (streaming) once per --attention-sinks."""
     from turbollm.engine.kv_policy import get_kv_policy
 
+    from turbollm.engine.engine_args import QUANTIZED_KV
+
     out = []
     for policy, dtype in itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]):
+        recent = ns.kv_recent_window if dtype in QUANTIZED_KV else None
         if "sinks" in get_kv_policy(policy).options:
-            out += [KVSetting(policy, dtype, s, ns.kv_window) for s in (ns.attention_sinks or [None])]
+            out += [KVSetting(policy, dtype, s, ns.kv_window, recent) for s in (ns.attention_sinks or [None])]
         else:
-            out.append(KVSetting(policy, dtype))
+            out.append(KVSetting(policy, dtype, recent=recent))
     return out
 
 

@@ -10,7 +10,7 @@ import datetime
 import time
 
 from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags
-from turbollm.engine.engine_args import KV_CACHE_DTYPES, kv_cache_torch_dtype
+from turbollm.engine.engine_args import DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
 QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "q16", "dequant")  # as turbollm.eval.perplexity (kept import-light)
@@ -52,6 +52,9 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), nargs="+", default=None,
                    help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32); "
                         "with --stream, several run in turn")
+    p.add_argument("--kv-recent-window", type=int, default=None,
+                   help=f"with --kv-cache-dtype int8/int4: each window's newest tokens kept in float16 (default "
+                        f"{DEFAULT_RECENT_WINDOW})")
     p.add_argument("--reference-kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="K/V storage of the reference (default float32): e.g. float16 to measure a quantized K/V "
                         "format against float16 K/V; with the same weights the candidate's model is reused")
@@ -130,8 +133,9 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         check_same_tokens(cand, ref, text)
     print(f"{plan.text_tokens} text tokens -> {len(plan.windows)} windows of {ns.ctx} "
           f"({'BOS + ' if plan.bos else ''}text), {plan.tokens} scored ({ns.score})")
+    recent = ns.kv_recent_window if ns.kv_recent_window is not None else DEFAULT_RECENT_WINDOW
     res = evaluate([cand], plan, ref, batch=ns.batch, qmatmul=ns.qmatmul, progress=not ns.no_progress,
-                   kv_dtype=kv_dtype, ref_kv_dtype=ref_kv)[0]
+                   kv_dtype=kv_dtype, ref_kv_dtype=ref_kv, kv_recent_window=recent)[0]
     if ref is None and not ns.no_reference:
         res.update(ref_ppl=res["ppl"], delta_ppl=0.0, delta_ppl_pct=0.0, kld_mean=0.0, kld_median=0.0,
                    kld_p99=0.0, kld_max=0.0, top1_agreement=100.0, ref_entropy=res["entropy"], entropy_delta=0.0)
@@ -142,6 +146,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         "reference_model": None if ns.no_reference else ref_model,
         "reference_weight_MB": round(ref.weight_bytes / 1e6, 2) if ref is not None else None,
         "reference_note": note, "qmatmul": ns.qmatmul, "kv_cache_dtype": kv_name,
+        "kv_recent_window": recent if kv_name in QUANTIZED_KV else None,
         "reference_kv_cache_dtype": None if ns.no_reference else ref_kv_name,
         "data": str(data), "ctx": ns.ctx, "batch": ns.batch, "bos_per_window": plan.bos,
         "scoring": {"rule": ns.score, "description": SCORING[ns.score]}, "text_tokens": plan.text_tokens,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from turbollm.engine.model_runner import ModelRunner, SeqState
 from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.sampling_params import SamplingParams
@@ -37,7 +39,9 @@ class DraftRunner:
         if config.draft_vocab_size is not None and config.draft_vocab_size < loaded.config.vocab_size:
             loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
         set_qmatmul(loaded.model, args.qmatmul)
-        draft_kv = KVCacheConfig.for_model(loaded.config, kv_config.num_blocks, kv_config.block_size, kv_config.dtype)
+        # the draft's K/V in the target's float dtype (float16 beside a quantized target format)
+        dtype = kv_config.dtype if kv_config.dtype.is_floating_point else torch.float16
+        draft_kv = KVCacheConfig.for_model(loaded.config, kv_config.num_blocks, kv_config.block_size, dtype)
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), kv_config.block_size,

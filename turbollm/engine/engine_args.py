@@ -28,7 +28,13 @@ KV_CACHE_DTYPES: dict[str, str] = {
     "float32": "float32",
     "float16": "float16",
     "fp16": "float16",
+    # quantized (attention/kv_storage.py): int8, or int4 packed two a byte (stored as uint8), with
+    # float16 scales; the newest kv_recent_window tokens of each sequence stay in float16
+    "int8": "int8",
+    "int4": "uint8",
 }
+QUANTIZED_KV = ("int8", "int4")
+DEFAULT_RECENT_WINDOW = 128  # tokens kept in float16 by a quantized K/V format
 
 # What "auto" means: a model whose linear weights are quantized (GGUF block types, the int8 /
 # int4 / int3 layouts, GPTQ and AWQ folders) runs with llama.cpp's default float16 cache (KL
@@ -57,7 +63,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; default 16, 32 for int8/int4 K/V (their scales cost less)
     kv_cache_memory: int | None = None  # bytes; default: a quarter of available RAM, at most 4 GiB
     enable_prefix_caching: bool = True
     seed: int | None = None
@@ -68,6 +74,9 @@ class EngineArgs:
     # fp16 when stored); "auto": float16 for a GGUF model in its own block types (llama.cpp's
     # default), float32 (the compute dtype) otherwise
     kv_cache_dtype: str = "auto"
+    # int8 / int4 K/V: the newest tokens of each sequence kept in float16 (default 128), quantized as
+    # they age out
+    kv_recent_window: int | None = None
     # which K/V each layer keeps (turbollm/engine/kv_policy.py): "auto" (sliding-window layers release
     # the blocks their window passed) or "dense" (every layer keeps every block)
     kv_policy: str = "auto"
@@ -92,6 +101,11 @@ class EngineArgs:
     speculative_config: object = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
+                                      f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.block_size is None:
+            self.block_size = 32 if self.kv_cache_dtype in QUANTIZED_KV else 16
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -114,9 +128,25 @@ class EngineArgs:
             raise InvalidRequestError("kv_policy 'streaming' cannot run a draft model (the draft reads the target's "
                                       "block table, whose released blocks it would need); use method 'ngram' or "
                                       "'suffix'")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
-                                      f"{', '.join(KV_CACHE_DTYPES)}")
+        self._check_quantized_kv()
+
+    def _check_quantized_kv(self) -> None:
+        quantized = self.kv_cache_dtype in QUANTIZED_KV
+        if self.kv_recent_window is not None and not quantized:
+            raise InvalidRequestError(f"kv_recent_window applies to kv_cache_dtype int8 or int4, not "
+                                      f"{self.kv_cache_dtype!r}")
+        if not quantized:
+            return
+        if self.kv_recent_window is None:
+            self.kv_recent_window = DEFAULT_RECENT_WINDOW
+        spec = self.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        if self.kv_recent_window < 0 or self.kv_recent_window <= k:
+            raise InvalidRequestError(f"kv_recent_window must be >= 0 and more than num_speculative_tokens ({k}), "
+                                      f"got {self.kv_recent_window}")
+        if self.kv_policy == "streaming":
+            raise InvalidRequestError(f"kv_policy 'streaming' does not take kv_cache_dtype {self.kv_cache_dtype!r} "
+                                      "yet (its sinks are read in float16 or float32 K/V only)")
 
     def kv_policy_config(self):
         """The KV policy with its options (`engine/kv_policy.KVPolicyConfig`)."""

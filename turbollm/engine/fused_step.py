@@ -32,7 +32,7 @@ import logging
 import torch
 from torch import nn
 
-from turbollm.attention.backend import CPUKernelAttentionBackend
+from turbollm.attention.backend import QUANT_BITS, CPUKernelAttentionBackend, recent_tensors
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.distributed import get_tp
 from turbollm.kernels import cpu_kernels
@@ -100,8 +100,13 @@ class FusedDecodeStep:
         self.steps += 1
         n = len(layers)
         end = n if end is None else end
+        recent = []
+        if metas[0].recent is not None:  # a quantized format: per group its step's ring slots and bounds
+            for m in metas:
+                t = m.derived("recent_tensors", lambda m=m: recent_tensors(m))
+                recent += [t["slots"], t["first"], t["old"], t["new"]]
         return self.step.forward(x, residual, batch.positions, [m.block_tables for m in metas], lens,
-                                 [m.slot_mapping for m in metas], starts, levels, start, end)
+                                 [m.slot_mapping for m in metas], starts, levels, start, end, recent)
 
     def _set_hooks(self) -> None:
         hooks = self.hooks or LayerHooks()
@@ -115,8 +120,9 @@ class FusedDecodeStep:
             reason = "C++ kernels unavailable"
         elif get_tp().tp_size != 1:
             reason = "tensor parallelism"
-        elif any(c.k.dtype not in (torch.float32, torch.float16) or c.k.dtype != c.v.dtype or c.k_scale is not None
-                 for c in self.kv_caches):
+        elif len({c.layout.quant for c in self.kv_caches}) > 1 or any(
+                c.layout.quant is None and (c.k.dtype not in (torch.float32, torch.float16) or c.k.dtype != c.v.dtype)
+                for c in self.kv_caches):
             reason = "a KV-cache format without fused kernels"
         layers = self.model.model.layers
         specs = []
@@ -138,6 +144,10 @@ class FusedDecodeStep:
             logger.warning("turbollm: fused decode step not used for this model (%s)", self.unavailable)
             return
         step.set_kv_caches([c.k for c in self.kv_caches], [c.v for c in self.kv_caches], list(self.layer_groups))
+        quant = self.kv_caches[0].layout.quant
+        if quant is not None:  # int8 / int4 blocks with float16 scales and each sequence's ring of recent tokens
+            step.set_quant_kv([[c.k, c.v, c.k_scale, c.v_scale, c.k_recent, c.v_recent] for c in self.kv_caches],
+                              self.kv_caches[0].layout.ring_blocks, QUANT_BITS[quant])
         self.group_attention = []
         self.step, self.built_version = step, self.model.weights_version
         self._set_hooks()

@@ -30,12 +30,15 @@ def _digest(data: bytes) -> bytes:
 
 class KVCacheManager:
     def __init__(self, block_size: int, pools: list[BlockPool], specs: list[KVCacheSpec | None] | None = None,
-                 salts: list[bytes] | None = None, root: bytes = b"", block_bytes: list[int] | None = None):
+                 salts: list[bytes] | None = None, root: bytes = b"", block_bytes: list[int] | None = None,
+                 ring_bytes: int = 0):
         self.block_size, self.pools = block_size, pools
         self.specs = specs or [None] * len(pools)  # None: full attention
         self.keys = [_digest(s) for s in salts] if salts else [b""] * len(pools)
         self.root = _digest(root) if root else None
         self.block_bytes = block_bytes or [0] * len(pools)  # K/V bytes of one block of each group
+        self.ring_bytes = ring_bytes  # a quantized format: one sequence's float16 rings of recent tokens
+        self.holding: set[int] = set()  # sequences with blocks (each with a ring, when there are rings)
         self.peak_bytes = 0  # the most K/V bytes in use at once since start (`note_usage`)
         self.stats = CacheStats()
         for p in pools:
@@ -46,7 +49,7 @@ class KVCacheManager:
         pools = [BlockPool(config.blocks_of(g), enable_caching) for g in range(len(config.groups))]
         return cls(config.block_size, pools, [g.spec for g in config.groups],
                    [config.salt(i) for i in range(len(config.groups))], config.model_salt,
-                   [config.block_bytes(g) for g in range(len(config.groups))])
+                   [config.block_bytes(g) for g in range(len(config.groups))], config.ring_bytes)
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -76,8 +79,8 @@ class KVCacheManager:
 
     @property
     def bytes_used(self) -> int:
-        """K/V bytes of the blocks in use, every group."""
-        return sum(p.num_used * b for p, b in zip(self.pools, self.block_bytes))
+        """K/V bytes of the blocks in use, every group, and of the rings of the sequences holding blocks."""
+        return sum(p.num_used * b for p, b in zip(self.pools, self.block_bytes)) + len(self.holding) * self.ring_bytes
 
     def note_usage(self) -> None:
         """Fold the current use into `peak_bytes` (the scheduler calls it once per step)."""
@@ -99,6 +102,7 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - len(self.tables(seq)[0]))
 
     def grow(self, seq: Sequence, num_new: int) -> None:
+        self.holding.add(seq.seq_id)
         n = self.blocks_needed(seq, num_new)
         for pool, table in zip(self.pools, self.tables(seq)):
             table.extend(pool.allocate() for _ in range(n))
@@ -149,6 +153,7 @@ class KVCacheManager:
     def share(self, parent: Sequence, child: Sequence) -> None:
         """`child` takes the parent's blocks (an n > 1 fork): same tables, one more reference each."""
         child.block_tables = [list(t) for t in self.tables(parent)]
+        self.holding.add(child.seq_id)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
         for pool, table in zip(self.pools, child.block_tables):
@@ -158,6 +163,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         for pool, table in zip(self.pools, seq.block_tables):
             pool.release(table)
+        self.holding.discard(seq.seq_id)
         seq.block_tables = []
         seq.num_cached_blocks = 0
         seq.num_blocks_sent = 0
@@ -254,7 +260,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         tables = self.tables(seq)
-        full = min(seq.num_computed_tokens // self.block_size, len(tables[0]))
+        ready = min(spec.cacheable_tokens(seq.num_computed_tokens) if spec else seq.num_computed_tokens
+                    for spec in self.specs)  # a quantized format's recent tokens are not in the pool yet
+        full = min(ready // self.block_size, len(tables[0]))
         if full <= seq.num_cached_blocks:
             return
         hashes = self._hashes(seq, full)

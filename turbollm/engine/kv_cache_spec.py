@@ -63,7 +63,12 @@ class KVCacheSpec:
     def tag(self) -> bytes:
         """What the prefix-cache key of this group's blocks is salted with (their content depends on it)."""
         return repr((self.kind, str(self.layout.dtype), self.layout.block_size, self.layout.num_kv_heads,
-                     self.layout.head_dim)).encode()
+                     self.layout.head_dim, self.layout.recent_window)).encode()
+
+    def cacheable_tokens(self, num_computed: int) -> int:
+        """How many of a sequence's first tokens have their final K/V in the pool (a quantized format's
+        recent window is still in the sequence's float16 ring: its blocks enter the prefix cache later)."""
+        return max(0, num_computed - self.layout.recent_window) if self.layout.quant else num_computed
 
 
     def max_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int | None:
@@ -141,6 +146,7 @@ class KVCacheConfig:
     groups: tuple[KVCacheGroup, ...]
     model_salt: bytes = b""  # the model's identity, in every prefix-cache key
     group_blocks: tuple[int, ...] = ()  # blocks of each group (empty: num_blocks each)
+    recent_slots: int = 0  # a quantized format: sequence slots with a float16 ring of recent blocks each
 
     def blocks_of(self, group: int) -> int:
         return self.group_blocks[group] if self.group_blocks else self.num_blocks
@@ -148,7 +154,7 @@ class KVCacheConfig:
     def block_bytes(self, group: int) -> int:
         """K and V of one block in every layer of the group."""
         g = self.groups[group]
-        return len(g.layer_ids) * g.spec.layout.bytes_per_token * self.block_size
+        return len(g.layer_ids) * g.spec.layout.block_bytes
 
     @property
     def num_layers(self) -> int:
@@ -157,6 +163,12 @@ class KVCacheConfig:
     @property
     def dtype(self) -> torch.dtype:
         return self.groups[0].spec.layout.dtype
+
+    @property
+    def format_name(self) -> str:
+        """The K/V storage's kv_cache_dtype name: float32, float16, int8, int4."""
+        lay = self.groups[0].spec.layout
+        return lay.quant or str(lay.dtype).replace("torch.", "")
 
     @property
     def layer_groups(self) -> list[int]:
@@ -168,8 +180,9 @@ class KVCacheConfig:
         return out
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token in every layer."""
+    def bytes_per_token(self) -> float:
+        """K and V of one token in every layer (a quantized format: its blocks' bytes, scales included,
+        averaged over the block; its rings are `ring_bytes` per sequence slot)."""
         return sum(len(g.layer_ids) * g.spec.layout.bytes_per_token for g in self.groups)
 
     @property
@@ -186,8 +199,14 @@ class KVCacheConfig:
         return [g.spec.attention for g in self.groups]
 
     @property
+    def ring_bytes(self) -> int:
+        """One sequence slot's float16 rings of recent tokens, every layer (0 for float formats)."""
+        return sum(len(g.layer_ids) * g.spec.layout.ring_bytes for g in self.groups)
+
+    @property
     def total_bytes(self) -> int:
-        return sum(self.blocks_of(g) * self.block_bytes(g) for g in range(len(self.groups)))
+        return (sum(self.blocks_of(g) * self.block_bytes(g) for g in range(len(self.groups)))
+                + self.recent_slots * self.ring_bytes)
 
     def salt(self, group: int) -> bytes:
         return self.model_salt + b"|" + self.groups[group].spec.tag()
@@ -200,15 +219,20 @@ class KVCacheConfig:
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                   model_salt: bytes = b"", policy: "str | KVPolicyConfig" = "auto", max_num_seqs: int | None = None,
-                  max_num_batched_tokens: int | None = None, spec_tokens: int = 0) -> "KVCacheConfig":
+                  max_num_batched_tokens: int | None = None, spec_tokens: int = 0,
+                  recent_window: int = 0) -> "KVCacheConfig":
         """The model's layers grouped by attention kind (full, or each sliding-window size), each group's
         spec as the KV policy builds it. Given `max_num_seqs` and `max_num_batched_tokens`, a group that
-        releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`)."""
+        releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`). A quantized
+        `dtype` (torch.int8: int8, torch.uint8: int4) keeps `recent_window` tokens per sequence in float16,
+        in one ring per sequence slot (`max_num_seqs` of them)."""
         from turbollm.engine.kv_policy import KVPolicyConfig, get_kv_policy
 
         options = policy if isinstance(policy, KVPolicyConfig) else KVPolicyConfig(policy)
         make_spec = get_kv_policy(options.name).spec
         layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if layout.quant:
+            layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim, recent_window)
         by_window: dict[int | None, list[int]] = {}
         for i in range(cfg.num_layers):
             by_window.setdefault(cfg.layer_window(i), []).append(i)
@@ -217,17 +241,19 @@ class KVCacheConfig:
         num_blocks = max(1, int(num_blocks))
         caps = _caps(groups, max_num_seqs, max_num_batched_tokens, spec_tokens)
         counts = tuple(num_blocks if c is None else min(c, num_blocks) for c in caps)
-        return cls(num_blocks, block_size, groups, model_salt, counts if set(counts) != {num_blocks} else ())
+        return cls(num_blocks, block_size, groups, model_salt, counts if set(counts) != {num_blocks} else (),
+                   (max_num_seqs or 1) if layout.quant else 0)
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
                     model_salt: bytes = b"", policy: "str | KVPolicyConfig" = "auto", max_num_seqs: int | None = None,
-                    max_num_batched_tokens: int | None = None, spec_tokens: int = 0) -> "KVCacheConfig":
-        """The most blocks for the groups that keep everything such that every group's blocks fit
-        `memory_bytes` (the capped groups taking their cap first)."""
+                    max_num_batched_tokens: int | None = None, spec_tokens: int = 0,
+                    recent_window: int = 0) -> "KVCacheConfig":
+        """The most blocks for the groups that keep everything such that every group's blocks (and the
+        recent rings of a quantized format) fit `memory_bytes` (the capped groups taking their cap first)."""
         def build(n: int) -> KVCacheConfig:
             return cls.for_model(cfg, n, block_size, dtype, model_salt, policy, max_num_seqs, max_num_batched_tokens,
-                                 spec_tokens)
+                                 spec_tokens, recent_window)
 
         probe = build(1)
         # no group can have more blocks than the budget buys of the cheapest one; bytes grow with n
@@ -247,13 +273,13 @@ def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None, max_num_ba
 
 def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
                       max_num_seqs: int, policy: "str | KVPolicyConfig" = "auto", max_num_batched_tokens: int | None = None,
-                      spec_tokens: int = 0) -> int:
+                      spec_tokens: int = 0, recent_window: int = 0) -> int:
     """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks; a group that
     releases blocks no more than its cap): the most a default-sized cache can ever use, so a small
     model with a short context is not given gigabytes."""
     per_seq = -(-max_model_len // block_size)
     return KVCacheConfig.for_model(cfg, per_seq * max_num_seqs, block_size, dtype, b"", policy, max_num_seqs,
-                                   max_num_batched_tokens, spec_tokens).total_bytes
+                                   max_num_batched_tokens, spec_tokens, recent_window).total_bytes
 
 
 def allocate_kv_storage(config: KVCacheConfig) -> list[LayerKVCache]:
@@ -261,5 +287,5 @@ def allocate_kv_storage(config: KVCacheConfig) -> list[LayerKVCache]:
     out: list[LayerKVCache | None] = [None] * config.num_layers
     for gi, g in enumerate(config.groups):
         for layer in g.layer_ids:
-            out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi))
+            out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi), config.recent_slots)
     return out

@@ -85,20 +85,26 @@ class LLMEngine:
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
             budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
                                                    args.max_num_seqs, policy, self._batched_tokens(args),
-                                                   spec_tokens))
+                                                   spec_tokens, args.kv_recent_window or 0))
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul)).encode()
         self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt,
                                                    policy, args.max_num_seqs, self._batched_tokens(args),
-                                                   spec_tokens)
+                                                   spec_tokens, args.kv_recent_window or 0)
         self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=args.enable_prefix_caching)
         held = self.kv_config.num_tokens
         logger.info("KV cache: %s, %.0f MiB (%s; %s; prefix caching %s)",
                     f"{self.kv_config.num_blocks} blocks of {args.block_size} tokens = {held} tokens" if held
                     else "sequences of any length at flat memory", self.kv_config.total_bytes / (1 << 20),
-                    str(self.kv_config.dtype).replace("torch.", ""), self.kv_config.describe(),
+                    self.kv_config.format_name, self.kv_config.describe(),
                     "on" if args.enable_prefix_caching else "off")
+        if self.kv_config.recent_slots and held is not None:
+            float16 = KVCacheConfig.for_model(self.config, 1, args.block_size, torch.float16).bytes_per_token
+            logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "
+                        "the tokens float16 K/V would hold in the same budget", args.kv_cache_dtype,
+                        self.kv_config.bytes_per_token, args.kv_recent_window, self.kv_config.recent_slots,
+                        float16 * self.kv_config.num_tokens / max(1, self.kv_config.total_bytes))
         self._check_one_sequence_fits(args, spec_tokens)
         if held is not None and model_len > held:
             # One sequence must always fit the pool alone, or it would preempt itself forever.

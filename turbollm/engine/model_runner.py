@@ -22,6 +22,7 @@ import torch
 from turbollm.attention import AttentionBackend, AttentionMetadata
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.engine.fused_step import FusedDecodeStep
+from turbollm.engine.kv_recent import RecentRings
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.sampler import Sampler, SamplingRow, ranked_logprobs
 from turbollm.engine.scheduler_output import ForkData, NewRequestData, SchedulerOutput
@@ -37,6 +38,8 @@ class SeqState(SamplingRow):
     index: int
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int = 0
+    ring_slot: int = -1  # a quantized K/V format: its ring of recent tokens (engine/kv_recent.py)
+    kv_qlo: int = 0  # ... and where its quantized K/V end
 
 
 def _generator(params, index: int) -> torch.Generator | None:
@@ -47,7 +50,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None,
                  layer_groups: list[int] | None = None, hooks: LayerHooks | None = None,
-                 group_attention: list[tuple[int | None, int]] | None = None):
+                 group_attention: list[tuple[int | None, int]] | None = None, recent_slots: int = 0):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
         self.num_groups = max(self.layer_groups) + 1
@@ -58,18 +61,26 @@ class ModelRunner:
         self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks) if fused_decode else None
         self.sampler = Sampler(seed)
         self.states: dict[int, SeqState] = {}
+        quantized = any(c.layout.quant for c in kv_caches)  # int8 / int4 K/V: each sequence's float16 ring
+        self.rings = RecentRings(kv_caches, self.layer_groups, recent_slots) if quantized else None
 
     # ------------------------------------------------------------------ state from the diffs
     def update_states(self, sched: SchedulerOutput) -> None:
         for sid in sched.finished_seq_ids:
-            self.states.pop(sid, None)
+            st = self.states.pop(sid, None)
+            if st is not None and self.rings is not None:
+                self.rings.give_back(st)
         for sid in sched.preempted_seq_ids:
             st = self.states.get(sid)
             if st is not None:
                 st.block_ids = tuple([] for _ in st.block_ids)
                 st.num_computed_tokens = 0
+                if self.rings is not None:
+                    self.rings.give_back(st)
         for new in sched.new_reqs:
-            self.states[new.seq_id] = self._new_state(new)
+            self.states[new.seq_id] = st = self._new_state(new)
+            if self.rings is not None:
+                self.rings.take(st)
         for c in sched.cached_reqs:
             st = self.states[c.seq_id]
             for group, (ids, added) in enumerate(zip(st.block_ids, c.new_block_ids)):
@@ -80,6 +91,8 @@ class ModelRunner:
                 for pos, block in pairs:
                     st.block_ids[group][pos] = block
             st.num_computed_tokens = c.num_computed_tokens
+            if c.resumed_from_preemption and self.rings is not None:
+                self.rings.take(st)
         for sid, tokens in sched.scheduled_token_ids.items():
             st = self.states[sid]
             c = st.num_computed_tokens
@@ -119,6 +132,10 @@ class ModelRunner:
             seq_lens.append(c + n)
         metas = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.int64), qsl, seq_lens, _table_tensor(tables[g]),
                                    bs, *self.group_attention[g]) for g in groups]
+        if self.rings is not None:
+            step = [self.states[sid] for sid in sched.scheduled_token_ids]
+            for meta, recent in zip(metas, self.rings.meta(step, [len(t) for t in sched.scheduled_token_ids.values()])):
+                meta.recent = recent
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), metas[0],
                             self.kv_caches, self.backend, max_position=max(seq_lens) - 1,
                             layer_attn=[metas[g] for g in self.layer_groups] if self.num_groups > 1 else None,
@@ -169,6 +186,8 @@ class ModelRunner:
                 for fork in sched.forks.get(sid, []):
                     sibling = self._fork_state(st, fork)
                     self.states[fork.seq_id] = sibling
+                    if self.rings is not None:
+                        self.rings.fork(st, sibling)
                     sample_rows.append(qsl[i + 1] - 1)
                     rows.append(sibling)
                 sample_rows.append(qsl[i + 1] - 1)

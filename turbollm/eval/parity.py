@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from turbollm.attention import AttentionMetadata, get_attention_backend
-from turbollm.attention.kv_storage import LayerKVCache
+from turbollm.attention.kv_quant import RecentMeta
+from turbollm.attention.kv_storage import QUANT_FORMATS, KVLayout, LayerKVCache
 from turbollm.loader import LoadedModel
 from turbollm.models.forward_batch import ForwardBatch
 
@@ -58,16 +59,21 @@ class ParityReport:
                 "prompts": [dict(asdict(p), ok=p.ok) for p in self.prompts]}
 
 
-def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size: int = 16,
-                       kv_dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[int]]:
+def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size: int | None = None,
+                       kv_dtype: torch.dtype = torch.float32,
+                       kv_recent_window: int = 128) -> tuple[ForwardBatch, list[int]]:
     """One flat prefill batch of `prompts` over a fresh KV cache (of `kv_dtype`) sized for them, and
-    the query start offsets (`qsl[i]:qsl[i+1]` are prompt i's rows). No scheduler, no sampler."""
+    the query start offsets (`qsl[i]:qsl[i+1]` are prompt i's rows). No scheduler, no sampler. A
+    quantized `kv_dtype` (torch.int8: int8, torch.uint8: int4; 32-token blocks by default) stores
+    each prompt's blocks older than its last `kv_recent_window` tokens quantized as they are written,
+    so the prompt's own attention reads them back quantized, the newer ones in float16."""
     cfg = loaded.config
+    layout = KVLayout(kv_dtype, block_size or (32 if kv_dtype in QUANT_FORMATS else 16), cfg.num_kv_heads,
+                      cfg.head_dim, kv_recent_window if kv_dtype in QUANT_FORMATS else 0)
+    block_size = layout.block_size
     blocks_per = [-(-len(p) // block_size) for p in prompts]
     total_blocks = sum(blocks_per)
-    shape = (total_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [LayerKVCache.of(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-              for _ in range(cfg.num_layers)]
+    caches = [LayerKVCache.allocate(layout, total_blocks, recent_slots=len(prompts)) for _ in range(cfg.num_layers)]
     tables, slots, qsl, first = [], [], [0], 0
     for p, nb in zip(prompts, blocks_per):
         table = list(range(first, first + nb))
@@ -76,6 +82,10 @@ def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size
         slots += [table[i // block_size] * block_size + i % block_size for i in range(len(p))]
         qsl.append(qsl[-1] + len(p))
     meta = AttentionMetadata(torch.tensor(slots), qsl, [len(p) for p in prompts], torch.tensor(tables), block_size)
+    if layout.quant:
+        n = len(prompts)
+        meta.recent = RecentMeta(list(range(n)), [0] * n, [0] * n,
+                                 [max(0, len(p) - kv_recent_window) // block_size * block_size for p in prompts])
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.tensor([i for p in prompts for i in range(len(p))])
     return ForwardBatch(ids, pos, meta, caches, get_attention_backend()), qsl

@@ -160,10 +160,12 @@ def qmatmul_mode(mode: str | None) -> Iterator[None]:
 
 @torch.inference_mode()
 def scored_logits(loaded: LoadedModel, plan: WindowPlan, idx: Sequence[int],
-                  kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  kv_dtype: torch.dtype = torch.float32, kv_recent_window: int = 128) -> torch.Tensor:
     """Logits [rows, vocab] of the scored positions of windows `idx`, run as one flat prefill batch
-    (K/V stored in `kv_dtype` and read back from there, as the engine's cache does)."""
-    batch, qsl = flat_prefill_batch(loaded, [plan.windows[i] for i in idx], kv_dtype=kv_dtype)
+    (K/V stored in `kv_dtype` and read back from there, as the engine's cache does; a quantized format
+    keeps each window's last `kv_recent_window` tokens in float16)."""
+    batch, qsl = flat_prefill_batch(loaded, [plan.windows[i] for i in idx], kv_dtype=kv_dtype,
+                                    kv_recent_window=kv_recent_window)
     hidden = loaded.model(batch)
     rows = torch.cat([torch.arange(qsl[j] + plan.first, qsl[j] + plan.first + plan.counts[i])
                       for j, i in enumerate(idx)])
@@ -233,11 +235,13 @@ def _kl_summary(acc: _Acc) -> dict:
 
 def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: LoadedModel | None = None, *,
              batch: int = 1, qmatmul: str | None = None, progress: bool = True,
-             kv_dtype: torch.dtype = torch.float32, ref_kv_dtype: torch.dtype = torch.float32) -> list[dict]:
+             kv_dtype: torch.dtype = torch.float32, ref_kv_dtype: torch.dtype = torch.float32,
+             kv_recent_window: int = 128) -> list[dict]:
     """Perplexity of each candidate on `plan`'s windows, and KL/top-1/Δppl against `reference` if given.
 
     The reference runs once per batch of windows (K/V stored in `ref_kv_dtype`), then each candidate
-    (with their quantized-matmul path set to `qmatmul` and K/V stored in `kv_dtype`). The reference
+    (with their quantized-matmul path set to `qmatmul` and K/V stored in `kv_dtype`; a quantized one with
+    its last `kv_recent_window` tokens in float16). The reference
     may be one of the candidates (the same weights, another K/V storage).
     Returns one dict per candidate.
     """
@@ -268,7 +272,7 @@ def evaluate(candidates: Sequence[LoadedModel], plan: WindowPlan, reference: Loa
             ref = scored_logits(reference, plan, idx, ref_kv_dtype)
             ref_acc.add(ref, targets)
         for acc, cand in zip(accs, candidates):
-            acc.add(scored_logits(cand, plan, idx, kv_dtype), targets, ref)
+            acc.add(scored_logits(cand, plan, idx, kv_dtype, kv_recent_window), targets, ref)
         del ref
         if bar is not None:
             post = {"ppl": f"{accs[0].ppl:.4f}"}

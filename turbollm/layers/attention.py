@@ -20,9 +20,12 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend, q_sink: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; kv_cache: this layer's paged storage; q_sink:
         the queries rotated to their sink position (`sink_positions`) when the group keeps attention sinks."""
+        window = self.window if meta.window is None else meta.window
+        if kv_cache.layout.quant is not None:  # int8 / int4 blocks and a float16 ring of recent tokens
+            backend.write_kv_quant(k, v, kv_cache, meta)
+            return backend.forward_quant(q, kv_cache, meta, self.scale, window, self.softcap)
         k_cache, v_cache = kv_cache.k, kv_cache.v
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        window = self.window if meta.window is None else meta.window
         if meta.sinks:
             return backend.forward(q, k_cache, v_cache, meta, self.scale, window, self.softcap,
                                    sinks=meta.sinks, q_sink=q_sink)

@@ -13,8 +13,12 @@
 // Cache element types: float32, or float16 widened on load (F16C).
 static inline float to_f32(float v) { return v; }
 static inline float to_f32(at::Half v) { return static_cast<float>(v); }
+static inline float to_f32(int8_t v) { return static_cast<float>(v); }  // int8 K/V (scales folded outside)
 #ifdef __AVX2__
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 static inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -18,6 +18,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
         pybind11::arg("sinks") = 0, pybind11::arg("q_sink") = pybind11::none());
   m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots");
+  m.def("paged_write_kv_quant", &paged_write_kv_quant, "quantized K/V: quantize the blocks leaving the recent "
+        "window, store the newest tokens in the sequences' float16 rings");
+  m.def("paged_decode_attention_quant", &paged_decode_attention_quant, "decode attention over quantized K/V",
+        pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("slots"), pybind11::arg("qlo"), pybind11::arg("ring_blocks"), pybind11::arg("bits"),
+        pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
+        pybind11::arg("query_start_loc") = pybind11::none());
+  m.def("paged_attention_quant", &paged_attention_quant, "tiled attention over quantized K/V");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x, optionally after residual += x (in place)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("rope_", &rope_, "NeoX rotary embedding in place on q and k");

@@ -159,6 +159,16 @@ class DecodeStep {
     groups_ = std::move(groups);
   }
 
+  // A quantized K/V format (kv_quant.h): per layer {kq, vq, k_scale, v_scale, k_ring, v_ring}; each step
+  // then brings `recent`: per group its sequences' ring slots, first new positions and quantized bounds
+  // before and after the step (kv_quant.py's RecentMeta).
+  void set_quant_kv(std::vector<std::vector<torch::Tensor>> kv, int64_t ring_blocks, int64_t bits) {
+    TORCH_CHECK(kv.size() == layers_.size(), "decode step: one quantized K/V storage per layer");
+    qkv_ = std::move(kv);
+    ring_blocks_ = ring_blocks;
+    bits_ = bits;
+  }
+
   // Per KV-cache group, the window its KV policy sets (-1: each layer's own) and its attention sinks
   // (0: none; StreamingLLM): a sink layer scores the sinks with its queries rotated to
   // min(p, sinks + window - 1), as attention/backend.py's sinks do.
@@ -188,7 +198,7 @@ class DecodeStep {
   std::vector<torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual_in, torch::Tensor positions,
                                      std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
                                      std::vector<torch::Tensor> slot_mappings, c10::optional<torch::Tensor> query_start_loc,
-                                     int64_t levels, int64_t start, int64_t end) {
+                                     int64_t levels, int64_t start, int64_t end, std::vector<torch::Tensor> recent) {
     TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size(), "decode step: no layers or no KV caches");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode step: x must be float32 [B, hidden]");
     TORCH_CHECK(0 <= start && start < end && end <= (int64_t)layers_.size(), "decode step: bad layer range");
@@ -206,6 +216,12 @@ class DecodeStep {
       for (int64_t s = 0; s + 1 < qsl.numel(); ++s) tiled = tiled || qs[s + 1] - qs[s] > kSmallQueryMax;
     }
     torch::Tensor residual = residual_in ? *residual_in : torch::Tensor();
+    const bool quant = !qkv_.empty();
+    torch::Tensor qsl_all;  // the write of a quantized format needs every sequence's rows
+    if (quant) {
+      TORCH_CHECK(recent.size() == 4 * block_tables.size(), "decode step: quantized K/V needs its recent data per group");
+      qsl_all = query_start_loc ? *query_start_loc : torch::arange(B + 1, torch::kInt64);
+    }
     std::vector<torch::Tensor> sink_pos(group_sinks_.size());  // per sink group: min(p, sinks + window - 1)
     for (size_t g = 0; g < group_sinks_.size(); ++g)
       if (group_sinks_[g] > 0) sink_pos[g] = positions.clamp_max(group_sinks_[g] + group_window_[g] - 1);
@@ -236,12 +252,26 @@ class DecodeStep {
       if (sinks > 0) q_sink = q.clone(at::MemoryFormat::Contiguous);  // before its rotation
       rope_(q, k, positions, L.cos, L.sin);
       if (q_sink) rope_(*q_sink, q_sink->narrow(1, 0, 0), sink_pos[g], L.cos, L.sin);
+      torch::Tensor a;
+      if (quant) {
+        const auto& kv = qkv_[i];
+        const torch::Tensor &slots = recent[4 * g], &first = recent[4 * g + 1], &old = recent[4 * g + 2],
+                            &fresh = recent[4 * g + 3];
+        paged_write_kv_quant(rows_contiguous(k), rows_contiguous(v), kv[0], kv[1], kv[2], kv[3], kv[4], kv[5],
+                             block_tables[g], qsl_all, slots, first, old, fresh, ring_blocks_, bits_);
+        a = (tiled ? paged_attention_quant(rows_contiguous(q), kv, block_tables[g], *query_start_loc, seq_lens, slots,
+                                           fresh, ring_blocks_, bits_, L.scale, window, L.softcap)
+                   : paged_decode_attention_quant(rows_contiguous(q), kv, block_tables[g], seq_lens, slots, fresh,
+                                                  ring_blocks_, bits_, L.scale, window, L.softcap, query_start_loc))
+                .reshape({B, -1});
+      } else {
       paged_write_kv(rows_contiguous(k), rows_contiguous(v), k_[i], v_[i], slot_mappings[g]);
-      torch::Tensor a = (tiled ? paged_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], *query_start_loc,
+      a = (tiled ? paged_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], *query_start_loc,
                                                  seq_lens, L.scale, window, L.softcap, sinks, q_sink)
                                : paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens,
                                                         L.scale, window, L.softcap, query_start_loc, sinks, q_sink))
                             .reshape({B, -1});
+      }
       torch::Tensor o = L.o(a, levels);
       call_hook(attn_out_, i, o);
       if (L.pre_ff_norm) {
@@ -268,6 +298,8 @@ class DecodeStep {
   std::vector<torch::Tensor> k_, v_;
   std::vector<int64_t> groups_;
   std::vector<int64_t> group_window_, group_sinks_;  // per KV-cache group (empty: the layers' own, no sinks)
+  std::vector<std::vector<torch::Tensor>> qkv_;  // a quantized format's storage per layer (empty: float K/V)
+  int64_t ring_blocks_ = 0, bits_ = 0;
 };
 
 }  // namespace
@@ -277,6 +309,8 @@ void bind_decode_step(py::module_& m) {
       .def(py::init<>())
       .def("add_layer", &DecodeStep::add_layer, "append a layer described by a dict of tensors and constants")
       .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage and the KV group of every layer")
+      .def("set_quant_kv", &DecodeStep::set_quant_kv,
+           "a quantized K/V format: per layer its integers, scales and rings; ring blocks per slot; bits")
       .def("set_group_attention", &DecodeStep::set_group_attention,
            "per KV-cache group, its policy's window (-1: the layers' own) and attention sinks")
       .def("set_hooks", &DecodeStep::set_hooks, "callables (layer, tensor) after attention and MLP outputs, or None")

@@ -26,9 +26,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention_simd.h"
+#include "kv_quant.h"
 
 namespace {
 
@@ -53,7 +55,8 @@ template <class T>
 void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, const T* vp, const int64_t* table,
               int64_t q0, int64_t first_pos, int64_t BS, int64_t Hk, int64_t G, int64_t D, float scale, float cap,
               int64_t window, const SinkArgs& sk, float* m, float* l, float* acc, std::vector<float>& scores,
-              std::vector<const T*>& rows, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+              std::vector<const T*>& rows, std::vector<int64_t>& lo, std::vector<int64_t>& hi,
+              const QuantKV* qk = nullptr, std::vector<float>* kbuf = nullptr, std::vector<float>* vbuf = nullptr) {
   const int64_t nq = tk.i1 - tk.i0, R = nq * G;
   const float ninf = -std::numeric_limits<float>::infinity();
   lo.resize(2 * R);
@@ -77,12 +80,26 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
   int64_t off[kKTile];
   // keys [t0, t0 + n) for every row r (visible: [LO[r], HI[r])), queries from qbase's rows
   auto step = [&](int64_t t0, int64_t n, const float* qbase, int64_t qstr, const int64_t* LO, const int64_t* HI) {
-    int64_t blk = t0 / BS, slot = t0 % BS;
-    for (int64_t j = 0; j < n; ++j) {
-      off[j] = ((table[blk] * BS + slot) * Hk + tk.h) * D;
-      if (++slot == BS) { slot = 0; ++blk; }
+    const T* kbase = kp;
+    const T* vbase = vp;
+    if constexpr (std::is_same_v<T, float>) {
+      if (qk) {  // quantized K/V: the tile dequantized (or widened from the ring) into float rows
+        kbuf->resize(n * D);
+        vbuf->resize(n * D);
+        load_quant_rows(*qk, table, qk->qlo[tk.b], qk->slot[tk.b], tk.h, t0, t0 + n, kbuf->data(), vbuf->data());
+        kbase = kbuf->data();
+        vbase = vbuf->data();
+        for (int64_t j = 0; j < n; ++j) off[j] = j * D;
+      }
     }
-    for (int64_t j = 0; j < n; ++j) rows[j] = kp + off[j];
+    if (!qk) {
+      int64_t blk = t0 / BS, slot = t0 % BS;
+      for (int64_t j = 0; j < n; ++j) {
+        off[j] = ((table[blk] * BS + slot) * Hk + tk.h) * D;
+        if (++slot == BS) { slot = 0; ++blk; }
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) rows[j] = kbase + off[j];
     // scores [R, n]
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t g = 0; g < G; ++g) {
@@ -128,7 +145,7 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
       m[r] = mx;
     }
     // acc += P V
-    for (int64_t j = 0; j < n; ++j) rows[j] = vp + off[j];
+    for (int64_t j = 0; j < n; ++j) rows[j] = vbase + off[j];
     accum_pv(rows.data(), scores.data(), n, R, acc, D);
   };
   for (int64_t t0 = 0; t0 < sink_top; t0 += kKTile)
@@ -141,7 +158,7 @@ template <class T>
 torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                              const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                             const SinkArgs& sk) {
+                             const SinkArgs& sk, const QuantKV* qk = nullptr) {
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto qsl = query_start_loc.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
@@ -181,14 +198,14 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t rows_max = kQTile * G;
   std::vector<float> partial(parts * rows_max * (D + 2));
   const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const T* kp = qk ? nullptr : k_cache.data_ptr<T>();
+  const T* vp = qk ? nullptr : v_cache.data_ptr<T>();
   const int64_t* btp = bt.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, own(rows_max * (D + 2));
+    std::vector<float> scores, own(rows_max * (D + 2)), kbuf, vbuf;
     std::vector<const T*> rows;
     std::vector<int64_t> lo, hi;
     for (int64_t j = begin; j < end; ++j) {
@@ -197,7 +214,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
       float* buf = tk.part >= 0 ? partial.data() + tk.part * rows_max * (D + 2) : own.data();
       float *m = buf, *l = buf + R, *acc = buf + 2 * R;
       run_task<T>(tk, qp, qstride, kp, vp, btp + tk.b * W, qs[tk.b], lp[tk.b] - (qs[tk.b + 1] - qs[tk.b]), BS, Hk,
-                  G, D, fscale, cap, window, sk, m, l, acc, scores, rows, lo, hi);
+                  G, D, fscale, cap, window, sk, m, l, acc, scores, rows, lo, hi, qk, &kbuf, &vbuf);
       if (tk.part >= 0) continue;
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -230,6 +247,20 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
 }
 
 }  // namespace
+
+// The tiled kernel over quantized K/V (kv_quant.h): each key tile dequantized (or widened from the
+// ring) into float rows, then attended as float K/V.
+torch::Tensor paged_attention_quant(torch::Tensor q, std::vector<torch::Tensor> kv, torch::Tensor block_tables,
+                                    torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor slots,
+                                    torch::Tensor qlo, int64_t ring_blocks, int64_t bits, double scale,
+                                    int64_t window, double softcap) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 [T, Hq, D] with contiguous rows");
+  auto sl = slots.to(torch::kInt64).contiguous(), ql = qlo.to(torch::kInt64).contiguous();
+  const QuantKV qk = make_quant_kv(kv, ring_blocks, bits, q.size(2), sl, ql, seq_lens.numel());
+  return attention_impl<float>(q, kv[4], kv[5], block_tables, query_start_loc, seq_lens, scale, window, softcap,
+                               SinkArgs{0, nullptr, 0}, &qk);
+}
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,

@@ -49,3 +49,18 @@ torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
 // the 16 rows of a batch-16 decode, within which a row's result does not depend on the others
 constexpr int64_t kDenseMaxRows = 16;
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
+// kv_quant.cpp / paged_attention.cpp / flash_attention.cpp: quantized K/V (int8 / int4 blocks with
+// float16 scales, each sequence's newest tokens in a float16 ring; layout in kv_quant.h)
+void paged_write_kv_quant(torch::Tensor k, torch::Tensor v, torch::Tensor kq, torch::Tensor vq, torch::Tensor ks,
+                          torch::Tensor vs, torch::Tensor kr, torch::Tensor vr, torch::Tensor block_tables,
+                          torch::Tensor query_start_loc, torch::Tensor slots, torch::Tensor first_pos,
+                          torch::Tensor qlo_old, torch::Tensor qlo_new, int64_t ring_blocks, int64_t bits);
+torch::Tensor paged_decode_attention_quant(torch::Tensor q, std::vector<torch::Tensor> kv, torch::Tensor block_tables,
+                                           torch::Tensor seq_lens, torch::Tensor slots, torch::Tensor qlo,
+                                           int64_t ring_blocks, int64_t bits, double scale, int64_t window,
+                                           double softcap, c10::optional<torch::Tensor> query_start_loc);
+torch::Tensor paged_attention_quant(torch::Tensor q, std::vector<torch::Tensor> kv, torch::Tensor block_tables,
+                                    torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor slots,
+                                    torch::Tensor qlo, int64_t ring_blocks, int64_t bits, double scale,
+                                    int64_t window, double softcap);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "attention_simd.h"
+#include "kv_quant.h"
 
 namespace {
 
@@ -85,21 +86,97 @@ void attend_chunk(const Task& tk, int64_t n, const T* kp, const T* vp, const int
   accum_pv(rows.data(), scores.data(), n, G, acc, D);
 }
 
+// attend_chunk for int8 pool positions [t0, t1) of KV head h (kv_quant.h): each block's K rows widened
+// once (times their per-channel scales) into a float buffer that stays in L1 while the G query heads
+// of the group read it; V read in place as int8, its per-token scale folded into the probabilities.
+void attend_chunk_q8(const Task& tk, const QuantKV& s, const int64_t* table, int64_t h, int64_t t0, int64_t t1,
+                     float* m, float* l, float* acc, std::vector<float>& scores, std::vector<const int8_t*>& rows,
+                     std::vector<float>& qs, std::vector<float>& kf, std::vector<const float*>& krows) {
+  const int64_t G = tk.G, D = tk.D, n = t1 - t0, bs = s.bs, H = s.H;
+  scores.resize(G * n);
+  rows.resize(n);
+  qs.resize(D);
+  float* ksf = qs.data();  // the block's K scales as floats
+  const int8_t* kq = reinterpret_cast<const int8_t*>(s.kq);
+  const int8_t* vq = reinterpret_cast<const int8_t*>(s.vq);
+  const float scale = tk.scale;
+  kf.resize(bs * D);
+  std::vector<const float*>& frows = krows;
+  frows.resize(bs);
+  for (int64_t t = t0, i = 0; t < t1;) {  // block by block: its K rows widened once (scale applied) into a
+    // float buffer that stays in L1 while the G query heads read it
+    const int64_t blk = table[t / bs], j0 = t % bs, cnt = std::min(bs - j0, t1 - t);
+    const at::Half* ksc = s.ks + (blk * H + h) * D;
+    int64_t d = 0;
+#ifdef __AVX2__
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(ksf + d, half8(ksc + d));
+#endif
+    for (; d < D; ++d) ksf[d] = static_cast<float>(ksc[d]);
+    const int8_t* base = kq + ((blk * bs + j0) * H + h) * D;
+    for (int64_t r = 0; r < cnt; ++r) {
+      const int8_t* src = base + r * H * D;
+      float* dst = kf.data() + r * D;
+      int64_t e = 0;
+#ifdef __AVX2__
+      for (; e + 8 <= D; e += 8) _mm256_storeu_ps(dst + e, _mm256_mul_ps(load8(src + e), _mm256_loadu_ps(ksf + e)));
+#endif
+      for (; e < D; ++e) dst[e] = static_cast<float>(src[e]) * ksf[e];
+      frows[r] = dst;
+    }
+    int64_t r = 0;
+#ifdef __AVX2__
+    if (D % 8 == 0)
+      for (; r + 8 <= cnt; r += 8)
+        for (int64_t g = 0; g < G; ++g)
+          _mm256_storeu_ps(scores.data() + g * n + i + r,
+                           _mm256_mul_ps(dot8(tk.q + g * D, frows.data() + r, D), _mm256_set1_ps(scale)));
+#endif
+    for (; r < cnt; ++r)
+      for (int64_t g = 0; g < G; ++g) scores[g * n + i + r] = dot(tk.q + g * D, frows[r], D) * scale;
+    i += cnt;
+    t += cnt;
+  }
+  if (tk.cap > 0.f)
+    for (auto& x : scores) x = std::tanh(x / tk.cap) * tk.cap;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    m[g] = mx;
+    l[g] = exp_sum(sg, 0, n, mx);
+  }
+  for (int64_t t = t0, i = 0; t < t1;) {  // V read in place: each token's scale into its probabilities
+    const int64_t blk = table[t / bs], j0 = t % bs, cnt = std::min(bs - j0, t1 - t);
+    const at::Half* vsc = s.vs + (blk * bs + j0) * H + h;
+    const int8_t* base = vq + ((blk * bs + j0) * H + h) * D;
+    for (int64_t r = 0; r < cnt; ++r) {
+      const float v = static_cast<float>(vsc[r * H]);
+      for (int64_t g = 0; g < G; ++g) scores[g * n + i + r] *= v;
+      rows[i + r] = base + r * H * D;
+    }
+    i += cnt;
+    t += cnt;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  accum_pv(rows.data(), scores.data(), n, G, acc, D);
+}
+
 template <class T>
 torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                     const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
                                     const c10::optional<torch::Tensor>& query_start_loc, int64_t sinks,
-                                    const float* qsp, int64_t qs_stride) {
+                                    const float* qsp, int64_t qs_stride, const QuantKV* qk = nullptr) {
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), W = bt.size(1);
+  TORCH_CHECK(qk == nullptr || qsp == nullptr, "attention sinks over quantized K/V are not supported");
   const int64_t G = Hq / Hk, qstride = q.stride(0);
   auto out = torch::zeros({B, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const T* kp = qk ? nullptr : k_cache.data_ptr<T>();
+  const T* vp = qk ? nullptr : v_cache.data_ptr<T>();
   // Query row b reads block-table row tab[b] and attends to its first lp[b] positions.
   std::vector<int64_t> row_len(B), row_tab(B);
   const int64_t* sl = lens.data_ptr<int64_t>();
@@ -131,12 +208,20 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
   // Tasks: for each sequence b, head h, chunk c of its window [start, L), after the chunk of its sinks
   // [0, sink_end) when it has one (c = 0). first[b] is the index of (b, 0, 0); sequence b has nch[b]
   // chunks per head.
-  std::vector<int64_t> first(B + 1, 0), nch(B, 0), start(B, 0), sink_end(B, 0);
+  // With quantized K/V, the window's chunks are those of its quantized part [start, qlo) (nqc[b] of
+  // them), then those of its float16 ring [qlo, L): a chunk is read from one storage only.
+  std::vector<int64_t> first(B + 1, 0), nch(B, 0), start(B, 0), sink_end(B, 0), nqc(B, 0), qend(B, 0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lp[b];
     start[b] = window > 0 ? std::max<int64_t>(0, L - window) : 0;
     sink_end[b] = qsp != nullptr ? std::min(sinks, start[b]) : 0;
-    nch[b] = (L > start[b] ? (L - start[b] + kChunk - 1) / kChunk : 0) + (sink_end[b] > 0);
+    if (qk) {
+      qend[b] = std::min(L, std::max(start[b], qk->qlo[tab[b]]));
+      nqc[b] = (qend[b] - start[b] + kChunk - 1) / kChunk;
+      nch[b] = nqc[b] + (L - qend[b] + kChunk - 1) / kChunk;
+    } else {
+      nch[b] = (L > start[b] ? (L - start[b] + kChunk - 1) / kChunk : 0) + (sink_end[b] > 0);
+    }
     first[b + 1] = first[b] + Hk * nch[b];
   }
   const int64_t tasks = first[B];
@@ -148,15 +233,52 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
     for (int64_t j = first[b]; j < first[b + 1]; ++j) task_seq[j] = b;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, kbuf, vbuf, qs;
     std::vector<const T*> rows;
+    std::vector<const float*> frows;
+    std::vector<const int8_t*> irows;
+    std::vector<const at::Half*> hrows;
     std::vector<int64_t> off;
     for (int64_t j = begin; j < end; ++j) {
       const int64_t b = task_seq[j], r = j - first[b], h = r / nch[b], c = r % nch[b];
       const bool sink = sink_end[b] > 0 && c == 0;
       const int64_t cw = c - (sink_end[b] > 0);  // index among the window's chunks
-      const int64_t t0 = sink ? 0 : start[b] + cw * kChunk, t1 = sink ? sink_end[b] : std::min(lp[b], t0 + kChunk);
+      int64_t t0 = sink ? 0 : start[b] + cw * kChunk, t1 = sink ? sink_end[b] : std::min(lp[b], t0 + kChunk);
       const int64_t* table = btp + tab[b] * W;
+      if (qk) {  // dequantized (or widened from the ring) into float rows, then attended as float K/V
+        if (c < nqc[b]) {
+          t1 = std::min(qend[b], t0 + kChunk);
+        } else {
+          t0 = qend[b] + (c - nqc[b]) * kChunk;
+          t1 = std::min(lp[b], t0 + kChunk);
+        }
+        const Task tk{qp + b * qstride + h * G * D, G, D, fscale, cap};
+        float* pt = partial.data() + j * part;
+        off.resize(t1 - t0);
+        if (c >= nqc[b]) {  // the ring: float16 rows read in place
+          const int64_t sl = qk->slot[tab[b]];
+          for (int64_t t = t0; t < t1; ++t)
+            off[t - t0] = (((sl * qk->m + (t / BS) % qk->m) * BS + t % BS) * Hk + h) * D;
+          attend_chunk<at::Half>(tk, t1 - t0, qk->kr, qk->vr, off.data(), pt, pt + G, pt + 2 * G, scores, hrows);
+        } else if (qk->bits == 8) {  // int8 read in place, scales folded
+          attend_chunk_q8(tk, *qk, table, h, t0, t1, pt, pt + G, pt + 2 * G, scores, irows, qs, kbuf, frows);
+        } else {  // int4: dequantized into float rows
+          kbuf.resize((t1 - t0) * D);
+          vbuf.resize((t1 - t0) * D);
+          load_quant_rows(*qk, table, qk->qlo[tab[b]], qk->slot[tab[b]], h, t0, t1, kbuf.data(), vbuf.data());
+          for (int64_t i = 0; i < t1 - t0; ++i) off[i] = i * D;
+          attend_chunk<float>(tk, t1 - t0, kbuf.data(), vbuf.data(), off.data(), pt, pt + G, pt + 2 * G, scores,
+                              frows);
+        }
+        if (nch[b] == 1) {
+          float* og = op + (b * Hq + h * G) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float inv = 1.f / pt[G + g];
+            for (int64_t d = 0; d < D; ++d) og[g * D + d] = pt[2 * G + g * D + d] * inv;
+          }
+        }
+        continue;
+      }
       off.resize(t1 - t0);  // row offsets, walking the block table (no division per position)
       int64_t blk = t0 / BS, slot = t0 % BS;
       for (int64_t i = 0; i < t1 - t0; ++i) {
@@ -216,6 +338,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                            query_start_loc, sinks, qsp, qs_stride);
   return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
                                       query_start_loc, sinks, qsp, qs_stride);
+}
+
+// Decode attention (one or a few new tokens per sequence, as paged_decode_attention) over quantized
+// K/V (kv_quant.h): each chunk of positions dequantized from the pool or widened from the ring into
+// float rows, then attended as float K/V.
+torch::Tensor paged_decode_attention_quant(torch::Tensor q, std::vector<torch::Tensor> kv, torch::Tensor block_tables,
+                                           torch::Tensor seq_lens, torch::Tensor slots, torch::Tensor qlo,
+                                           int64_t ring_blocks, int64_t bits, double scale, int64_t window,
+                                           double softcap, c10::optional<torch::Tensor> query_start_loc) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 [B, Hq, D] with contiguous rows");
+  auto sl = slots.to(torch::kInt64).contiguous(), ql = qlo.to(torch::kInt64).contiguous();
+  QuantKV qk = make_quant_kv(kv, ring_blocks, bits, q.size(2), sl, ql, block_tables.size(0));
+  return decode_attention_impl<float>(q, kv[4], kv[5], block_tables, seq_lens, scale, window, softcap, query_start_loc,
+                                      0, nullptr, 0, &qk);
 }
 
 // k, v: [T, Hk, D] (rows may be strided); caches [num_blocks, block_size, Hk, D]; token t goes to

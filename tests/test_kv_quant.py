@@ -1,0 +1,241 @@
+"""Quantized K/V (issue 31, item 1: kv_cache_dtype int8 / int4 with a float16 recent window).
+
+- the formats: round-trip error within half a step, scales in float16, int4 packing, bytes per token;
+- the store: over a prefill chunk and decodes, every position below the quantized bound reads back
+  as its block's quantization of the true K/V, every newer one as its float16 value, for several
+  sequences with their own rings (the reference, then the C++ kernels against it);
+- through the engine: close to float16 K/V on a tiny model, forks and preemption keep their rings,
+  prefix hits only on quantized blocks; bad options refused before loading.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turbollm.attention.kv_quant import (RecentMeta, dequantize_k, dequantize_v, gather_reference, quantize_k,
+                                         quantize_v, write_reference)
+from turbollm.attention.kv_storage import KVLayout, LayerKVCache
+from turbollm.engine.engine_args import EngineArgs
+from turbollm.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("quant,levels", [("int8", 127), ("int4", 15)])
+def test_round_trip_within_half_a_step(quant, levels):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, 2, 64, generator=g) * torch.linspace(0.1, 8, 64)  # outlier channels
+    x[1, :, :, 5] = 0.0  # an all-zero channel: scale 0, no NaN
+    kq, ks = quantize_k(x, quant)
+    kd = dequantize_k(kq, ks, quant)
+    step_k = ks.float() if quant == "int8" else ks[:, 0].float()
+    assert torch.isfinite(kd).all()
+    assert ((kd - x).abs() <= step_k[:, None] * 0.5 + 1e-6 + x.abs() * 1e-3).all()
+    vq, vs = quantize_v(x, quant)
+    vd = dequantize_v(vq, vs, quant)
+    step_v = vs.float() if quant == "int8" else vs[..., 0].float()
+    assert ((vd - x).abs() <= step_v[..., None] * 0.5 + 1e-6 + x.abs() * 1e-3).all()
+    assert kq.dtype == (torch.int8 if quant == "int8" else torch.uint8) and ks.dtype == torch.float16
+    if quant == "int4":
+        assert kq.shape[-1] == 32 and vq.shape[-1] == 32  # two values a byte
+
+
+def test_bytes_per_token_against_float16():
+    """Head dim 64, 32-token blocks: int8 0.523x, int4 0.297x of float16, scales included."""
+    f16 = KVLayout(torch.float16, 32, 2, 64).bytes_per_token
+    assert KVLayout(torch.int8, 32, 2, 64, 128).bytes_per_token / f16 == pytest.approx(134 / 256)
+    assert KVLayout(torch.uint8, 32, 2, 64, 128).bytes_per_token / f16 == pytest.approx(76 / 256)
+    assert KVLayout(torch.int8, 16, 2, 64).bytes_per_token / f16 > 0.53  # why quantized K/V takes 32-token blocks
+
+
+def _simulate(quant, steps, R=20, bs=8, H=2, D=16, nseq=2, seed=0, write=write_reference):
+    """Sequences computing `steps` new tokens each step; returns the cache, tables, true K/V, meta."""
+    g = torch.Generator().manual_seed(seed)
+    lay = KVLayout(torch.int8 if quant == "int8" else torch.uint8, bs, H, D, R)
+    total = sum(steps)
+    nblk = -(-total // bs)
+    cache = LayerKVCache.allocate(lay, nseq * nblk + 1, recent_slots=nseq + 1)
+    perm = torch.randperm(nseq * nblk, generator=g) + 1
+    tables = perm.view(nseq, nblk)
+    truth = (torch.randn(nseq, total, 2, H, D, generator=g) * 3).half().float()  # the ring's float16 is exact
+    qlo, c = [0] * nseq, 0
+    slots = [2, 0][:nseq]
+    for n in steps:
+        new = [max(q, (c + n - R) // bs * bs) for q in qlo]
+        meta = RecentMeta(slots, [c] * nseq, list(qlo), new)
+        k = truth[:, c:c + n, 0].reshape(-1, H, D)
+        v = truth[:, c:c + n, 1].reshape(-1, H, D)
+        write(k, v, cache, tables, [i * n for i in range(nseq + 1)], meta)
+        qlo, c = new, c + n
+    return cache, tables, truth, qlo, slots, c
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_store_quantizes_what_left_the_window_and_keeps_the_rest(quant):
+    cache, tables, truth, qlo, slots, L = _simulate(quant, [37, 1, 1, 5, 1, 12, 1, 1, 1])
+    bs = cache.layout.block_size
+    for i in range(len(slots)):
+        assert qlo[i] == (L - 20) // bs * bs
+        k, v = gather_reference(cache, tables[i], slots[i], qlo[i], L)
+        tk, tv = truth[i, :, 0], truth[i, :, 1]
+        nb = qlo[i] // bs
+        want_k = dequantize_k(*quantize_k(tk[:qlo[i]].view(nb, bs, *tk.shape[1:]), quant), quant).flatten(0, 1)
+        want_v = dequantize_v(*quantize_v(tv[:qlo[i]], quant), quant)
+        torch.testing.assert_close(k[:qlo[i]], want_k)
+        torch.testing.assert_close(v[:qlo[i]], want_v)
+        torch.testing.assert_close(k[qlo[i]:], tk[qlo[i]:].half().float())  # the recent window: float16
+        torch.testing.assert_close(v[qlo[i]:], tv[qlo[i]:].half().float())
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(kv_cache_dtype="float16", kv_recent_window=64), "kv_recent_window applies"),
+    (dict(kv_cache_dtype="int8", kv_recent_window=-1), "kv_recent_window must be"),
+    (dict(kv_cache_dtype="int4", kv_recent_window=2, speculative_config={"method": "ngram",
+                                                                          "num_speculative_tokens": 3}),
+     "more than num_speculative_tokens"),
+    (dict(kv_cache_dtype="int8", kv_policy="streaming", kv_window=64), "streaming"),
+    (dict(kv_cache_dtype="int3"), "kv_cache_dtype 'int3'"),
+])
+def test_bad_options_refused_before_loading(kw, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineArgs(model="no-such-model", **kw)
+
+
+def test_defaults():
+    args = EngineArgs(model="x", kv_cache_dtype="int4")
+    assert args.block_size == 32 and args.kv_recent_window == 128
+    assert EngineArgs(model="x").block_size == 16
+
+
+def _kernel_writer(kernels):
+    def write(k, v, cache, tables, qsl, meta):
+        kernels.paged_write_kv_quant(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_recent,
+                                     cache.v_recent, tables, torch.tensor(qsl), torch.tensor(meta.slots),
+                                     torch.tensor(meta.first_pos), torch.tensor(meta.qlo_old),
+                                     torch.tensor(meta.qlo_new), cache.layout.ring_blocks,
+                                     8 if cache.layout.quant == "int8" else 4)
+    return write
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_kernel_store_is_the_reference_bit_for_bit(quant):
+    from conftest import require_kernels
+
+    kernels = require_kernels()
+    steps = [37, 1, 1, 5, 1, 12, 1, 1, 1]
+    ref = _simulate(quant, steps)[0]
+    got = _simulate(quant, steps, write=_kernel_writer(kernels))[0]
+    for name in ("k", "v", "k_scale", "v_scale", "k_recent", "v_recent"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("q_lens", [[1, 1], [5, 3], [20, 9]])  # decodes, a few tokens (decode kernel), chunks (tiled)
+@pytest.mark.parametrize("window", [None, 24])
+def test_kernel_attention_matches_the_reference(quant, q_lens, window):
+    """After a long prefill and decodes, a step of q_lens new tokens per sequence: the kernels' attention
+    over the pool (below qlo) and the rings (above) equals the reference's within float rounding."""
+    from conftest import require_kernels
+    from turbollm.attention.backend import CPUKernelAttentionBackend, TorchAttentionBackend
+    from turbollm.attention.metadata import AttentionMetadata
+
+    require_kernels()
+    steps = [45, 1, 1, 3] + [max(q_lens)]
+    cache, tables, truth, qlo, slots, L = _simulate(quant, steps, H=2, D=16)
+    # the last step wrote max(q_lens) tokens per sequence; attend with q_lens[i] of them as new
+    g = torch.Generator().manual_seed(3)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], 6, 16, generator=g)
+    meta = AttentionMetadata(torch.zeros(qsl[-1], dtype=torch.int64), qsl, [L] * len(q_lens), tables,
+                             cache.layout.block_size)
+    meta.recent = RecentMeta(slots, [L - n for n in q_lens], list(qlo), list(qlo))
+    want = TorchAttentionBackend().forward_quant(q, cache, meta, 0.3, window, None)
+    got = CPUKernelAttentionBackend().forward_quant(q, cache, meta, 0.3, window, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from quant_tiny import build_tiny
+
+    return build_tiny("llama", tmp_path_factory.mktemp("kvquant"))
+
+
+def _gen(path, prompts, params, **kw):
+    from turbollm import LLM
+
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=64, **kw)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _prompts(*lens):
+    return [torch.randint(4, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_engine_fused_step_equals_the_modules(tiny_llama, quant):
+    """Decodes through the C++ step read and write the quantized pool and the rings as the modules do."""
+    from turbollm import SamplingParams
+
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
+    runs = []
+    for eager in (False, True):
+        llm, outs = _gen(tiny_llama, _prompts(150, 70), p, kv_cache_dtype=quant, kv_recent_window=16,
+                         enforce_eager=eager)
+        runs.append([(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+                     for o in outs])
+        if not eager:
+            assert llm.engine.executor.worker.runner.fused.steps > 30
+    assert runs[0] == runs[1]
+
+
+def test_engine_int8_close_to_float16_and_forks_preemption_prefix_hits(tiny_llama):
+    """int8 K/V: the same greedy tokens as float16 K/V on a tiny model, top logprobs within 0.05; n = 2
+    siblings (each its own ring), a pool so small that sequences are preempted and recomputed, and a
+    second identical prompt that hits the prefix cache on quantized blocks only."""
+    from turbollm import SamplingParams
+
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = _prompts(120, 90, 100)
+    _, ref = _gen(tiny_llama, prompts, p, kv_cache_dtype="float16")
+    llm, got = _gen(tiny_llama, prompts, p, kv_cache_dtype="int8", kv_recent_window=32)
+    for a, b in zip(ref, got):
+        la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        n = next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y), len(la))
+        assert n >= 8 and max(abs(x - y) for x, y in zip(la[:n], lb[:n])) < 0.05
+    # the prefix cache holds only quantized blocks: 120 + 24 tokens computed, the last 32 in the ring, so
+    # blocks 0-2 (96 tokens, all of the prompt's full blocks) are cached
+    stats0 = llm.engine.stats()["prefix_cache_hits"]
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], p, use_tqdm=False)[0]
+    assert llm.engine.stats()["prefix_cache_hits"] - stats0 == 96
+    assert again.outputs[0].token_ids[:4] == got[0].outputs[0].token_ids[:4]
+    # a prompt that stops after one token: 101 computed, positions 69-100 still in the ring at its end, so
+    # only blocks 0-1 (64 tokens) were quantized and cached
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    fresh = _prompts(100, 1)[0]
+    llm.generate([{"prompt_token_ids": fresh}], one, use_tqdm=False)
+    stats0 = llm.engine.stats()["prefix_cache_hits"]
+    llm.generate([{"prompt_token_ids": fresh}], one, use_tqdm=False)
+    assert llm.engine.stats()["prefix_cache_hits"] - stats0 == 64
+    # forks and preemption: n = 2 greedy siblings agree; a 6-block pool forces preemption
+    pn = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, n=2)
+    small, outs = _gen(tiny_llama, prompts[:2], pn, kv_cache_dtype="int8", kv_recent_window=32,
+                       kv_cache_memory=small_pool_bytes(tiny_llama, 6))
+    assert small.engine.stats()["num_preemptions"] > 0
+    for o in outs:
+        assert o.outputs[0].token_ids == o.outputs[1].token_ids
+    _, alone = _gen(tiny_llama, prompts[:2], pn, kv_cache_dtype="int8", kv_recent_window=32)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+
+
+def small_pool_bytes(path, blocks: int) -> int:
+    """The budget of `blocks` int8 blocks and the rings of 4 sequence slots."""
+    from turbollm.engine.kv_cache_spec import KVCacheConfig
+    from turbollm.loader import describe_model
+
+    cfg = describe_model(str(path)).config
+    kv = KVCacheConfig.for_model(cfg, blocks, 32, torch.int8, recent_window=32, max_num_seqs=4)
+    assert kv.recent_slots == 4
+    return kv.total_bytes

@@ -1,0 +1,74 @@
+"""The worker's side of a quantized K/V format's recent window (`attention/kv_quant.py`).
+
+Each sequence with state on the worker holds one ring slot (float16 blocks of its newest tokens, in
+every layer) and `kv_qlo`, the block-aligned position below which its K/V are quantized in the pool.
+Per step, `RecentRings.meta` gives every sequence's slot and its quantized part before and after the
+step: after it, every block that is complete and older than the last `recent_window` tokens of
+what the step computes. A draft token of speculation is never quantized (the window is longer than
+the drafts: `EngineArgs` checks), nor is a block a sliding window has released (it is never read).
+Slots come back when a sequence finishes or is preempted (a resumed one starts afresh).
+"""
+
+from __future__ import annotations
+
+from turbollm.attention.kv_quant import RecentMeta
+from turbollm.attention.kv_storage import LayerKVCache
+from turbollm.engine.kv_cache import NULL_BLOCK
+
+
+class RecentRings:
+    def __init__(self, kv_caches: list[LayerKVCache], layer_groups: list[int], num_slots: int):
+        self.kv_caches = kv_caches
+        lay = next(c.layout for c in kv_caches)
+        self.window, self.block_size = lay.recent_window, lay.block_size
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.group_first_layer = [layer_groups.index(g) for g in range(max(layer_groups) + 1)]
+
+    def take(self, st) -> None:
+        """Give sequence state `st` a ring slot (its tokens from position st.num_computed_tokens on go there)."""
+        if st.ring_slot < 0:
+            if not self.free:
+                raise RuntimeError("internal error: more sequences than the quantized K/V format's ring slots")
+            st.ring_slot = self.free.pop()
+        st.kv_qlo = st.num_computed_tokens
+
+    def give_back(self, st) -> None:
+        if st.ring_slot >= 0:
+            self.free.append(st.ring_slot)
+            st.ring_slot = -1
+
+    def fork(self, parent, child) -> None:
+        """A sibling forked off `parent`: its own slot, holding a copy of the parent's ring."""
+        child.ring_slot = -1
+        self.take(child)
+        child.kv_qlo = parent.kv_qlo
+        for cache in self.kv_caches:
+            cache.copy_ring(parent.ring_slot, child.ring_slot)
+
+    def meta(self, states: list, new_tokens: list[int]) -> list[RecentMeta]:
+        """Per KV-cache group, the step's `RecentMeta` for `states` (in batch order) computing `new_tokens`
+        each; advances every state's kv_qlo."""
+        bs = self.block_size
+        slots, first, old, new = [], [], [], []
+        for st, n in zip(states, new_tokens):
+            c = st.num_computed_tokens
+            qlo = max(st.kv_qlo, (c + n - self.window) // bs * bs)
+            slots.append(st.ring_slot)
+            first.append(c)
+            old.append(st.kv_qlo)
+            new.append(qlo)
+            st.kv_qlo = qlo
+        out = []
+        for g in range(len(self.group_first_layer)):  # released blocks (a sliding window's) are not quantized
+            starts = [max(lo, _first_held(st.block_ids[g], lo // bs, hi // bs) * bs)
+                      for st, lo, hi in zip(states, old, new)]
+            out.append(RecentMeta(slots, first, starts, new))
+        return out
+
+
+def _first_held(table: list[int], lo: int, hi: int) -> int:
+    """The first block index in lo .. hi - 1 whose entry is not released (hi if none)."""
+    for j in range(lo, hi):
+        if table[j] != NULL_BLOCK:
+            return j
+    return hi
