@@ -152,3 +152,12 @@ def test_eval_long_bad_input(tiny, tmp_path, capsys):
             (["eval", "passkey", str(tiny["llama"]), "--depths", "1.5"], "--depths within")):
         assert main(argv) == 1
         assert message in capsys.readouterr().err
+
+
+def test_plot_by_position_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from turbollm.eval.long_context import plot_by_position
+
+    out = tmp_path / "ppl.png"
+    assert plot_by_position({"dense": [(1, 10, 5.0), (11, 20, 6.0)], "window": [(1, 10, 5.0)]}, str(out), "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

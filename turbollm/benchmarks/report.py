@@ -14,6 +14,18 @@ import torch
 from turbollm.benchmarks.physics import Ceilings, ModelPhysics, measure_read_bandwidth
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files, no display), or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def checkpoint_types(resolved) -> dict[str, dict]:
     """Tensor storage types of the checkpoint file(s): type → {tensors, MB}."""
     from turbollm.hub.resolve import CheckpointFormat

@@ -219,12 +219,10 @@ def run_serve_bench(base_url: str, model: str, requests: list[ServeRequest], rat
 
 def plot_rates(summaries: list[dict[str, Any]], path: str) -> bool:
     """TTFT/TPOT p50/p99 and throughput against the request rate, as a PNG; False without matplotlib."""
-    try:
-        import matplotlib
+    from turbollm.benchmarks.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rates = [s["request_rate"] for s in summaries]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

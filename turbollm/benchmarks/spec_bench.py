@@ -133,12 +133,10 @@ def step_cost_profile(args) -> dict[int, float]:
 
 def plot(runs: list[SpecRun], bases: dict[int, SpecRun], path: str) -> bool:
     """Speedup against K (batch 1, K pinned; adaptive dashed) and against batch size; False without matplotlib."""
-    try:
-        import matplotlib
+    from turbollm.benchmarks.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax_k, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r.name for r in runs if r.k is not None):

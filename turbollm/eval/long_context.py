@@ -117,12 +117,10 @@ def passkey(llm, lengths: list[int], depths: list[float], trials: int, seed: int
 
 def plot_by_position(curves: dict[str, list[tuple[int, int, float]]], path: str, title: str) -> bool:
     """Perplexity against position, one curve per setting; False when matplotlib is missing."""
-    try:
-        import matplotlib
+    from turbollm.benchmarks.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, buckets in curves.items():
