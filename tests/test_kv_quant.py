@@ -149,7 +149,8 @@ def test_kernel_attention_matches_the_reference(quant, q_lens, window):
     q = torch.randn(qsl[-1], 6, 16, generator=g)
     meta = AttentionMetadata(torch.zeros(qsl[-1], dtype=torch.int64), qsl, [L] * len(q_lens), tables,
                              cache.layout.block_size)
-    meta.recent = RecentMeta(slots, [L - n for n in q_lens], list(qlo), list(qlo))
+    rows = [(p + 1 - 20) // 8 * 8 for n in q_lens for p in range(L - n, L)]  # each row's own ring bound
+    meta.recent = RecentMeta(slots, [L - n for n in q_lens], list(qlo), list(qlo), rows)
     want = TorchAttentionBackend().forward_quant(q, cache, meta, 0.3, window, None)
     got = CPUKernelAttentionBackend().forward_quant(q, cache, meta, 0.3, window, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
@@ -239,3 +240,38 @@ def small_pool_bytes(path, blocks: int) -> int:
     kv = KVCacheConfig.for_model(cfg, blocks, 32, torch.int8, recent_window=32, max_num_seqs=4)
     assert kv.recent_slots == 4
     return kv.total_bytes
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_speculation_stays_token_exact(tiny_llama, quant):
+    """n-gram drafts verified in one step read the ring as plain decodes would (each row from its own
+    bound; a rejected draft's early quantization is not read): the same tokens and logprobs as without
+    speculation. (Before the per-row bound, int8 differed by 6e-3 in logprob and int4 diverged.)"""
+    from turbollm import SamplingParams
+
+    prompt = [5, 6, 7, 8, 9] * 30 + _prompts(40)[0]  # repetitive: the n-gram proposer drafts often
+    p = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, logprobs=0)
+    runs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}):
+        llm, outs = _gen(tiny_llama, [prompt], p, kv_cache_dtype=quant, kv_recent_window=5,
+                         speculative_config=spec)
+        o = outs[0].outputs[0]
+        runs.append((o.token_ids, [next(iter(d.values())).logprob for d in o.logprobs]))
+        if spec:
+            stats = llm.engine.stats()  # drafts verified (rejected ones advance the quantized bound too)
+            assert stats["spec_decode_num_draft_tokens"] > 10, stats
+    assert runs[0] == runs[1]
+
+
+def test_a_budget_below_the_rings_is_refused():
+    from turbollm.config import ModelConfig
+    from turbollm.engine.kv_cache_spec import KVCacheConfig
+
+    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                      intermediate_size=128, vocab_size=100, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, tie_word_embeddings=True)
+    ring = KVCacheConfig.for_model(cfg, 1, 32, torch.int8, recent_window=128, max_num_seqs=1).ring_bytes
+    with pytest.raises(InvalidRequestError, match="rings of 64 sequence slots"):
+        KVCacheConfig.from_budget(cfg, 10 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
+    ok = KVCacheConfig.from_budget(cfg, 80 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
+    assert ok.total_bytes <= 80 * ring and ok.recent_slots == 64

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from turbollm.attention.kv_quant import gather_reference, write_reference
+from turbollm.attention.kv_quant import SMALL_QUERY_MAX, gather_reference, write_reference
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.attention.metadata import AttentionMetadata
 
@@ -46,8 +46,15 @@ class AttentionBackend:
         """Attention over a quantized format (the reference: each sequence's K/V dequantized, then `attend_one`)."""
         qsl, rec = meta.query_start_loc, meta.recent
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        small = meta.max_query_len <= SMALL_QUERY_MAX and rec.row_qlo is not None
         for i in range(meta.num_seqs):
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+            if small:  # each row as a decode of its position, reading the ring from its own bound
+                for r in range(start, end):
+                    n = seq_len - (end - 1 - r)
+                    k, v = gather_reference(cache, meta.block_tables[i], rec.slots[i], rec.row_qlo[r], n)
+                    out[r:r + 1] = attend_one(q[r:r + 1], k, v, scale, n - 1, window, softcap)
+                continue
             k, v = gather_reference(cache, meta.block_tables[i], rec.slots[i], rec.qlo_new[i], seq_len)
             out[start:end] = attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap)
         return out
@@ -248,7 +255,7 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
         args = (cache.layout.ring_blocks, QUANT_BITS[cache.layout.quant], scale, window or -1, softcap or 0.0)
         if meta.max_query_len <= self.kernels.small_query_max:  # decodes, a few tokens: one decode per token
             res = self.kernels.paged_decode_attention_quant(_rows_contiguous(q), kv, meta.block_tables, lens,
-                                                            t["slots"], t["new"], *args,
+                                                            t["slots"], t["read"], *args,
                                                             None if meta.is_pure_decode else t["qsl"])
         else:
             res = self.kernels.paged_attention_quant(_rows_contiguous(q), kv, meta.block_tables, t["qsl"], lens,
@@ -269,7 +276,8 @@ def recent_tensors(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
     """A quantized format's per-sequence step data as the kernels take it (built once per step and group)."""
     rec = meta.recent
     return {"qsl": torch.tensor(meta.query_start_loc), "slots": torch.tensor(rec.slots),
-            "first": torch.tensor(rec.first_pos), "old": torch.tensor(rec.qlo_old), "new": torch.tensor(rec.qlo_new)}
+            "first": torch.tensor(rec.first_pos), "old": torch.tensor(rec.qlo_old), "new": torch.tensor(rec.qlo_new),
+            "read": torch.tensor(rec.row_qlo if rec.row_qlo is not None else rec.qlo_new)}
 
 
 def get_attention_backend(name: str = "cpu") -> AttentionBackend:

@@ -22,15 +22,24 @@ import torch
 from turbollm.attention.kv_storage import LayerKVCache
 
 
+# Steps where no sequence brings more than this many tokens read through the decode kernel, one
+# decode per row (kernels/csrc/ops.h kSmallQueryMax): each row then reads the ring from its own bound.
+SMALL_QUERY_MAX = 8
+
+
 @dataclass
 class RecentMeta:
     """Per sequence of a step: its slot's ring, its first new position, the end of its quantized part
-    before and after the step (block-aligned)."""
+    before and after the step (block-aligned); and per row of the step (`row_qlo`), where the row reads
+    the ring from in a small-query step: max(ring floor, (p + 1 - recent_window) rounded down to a block)
+    — what a one-token decode of position p reads, whatever came in the same step (row invariance, so
+    speculative verification stays exact). Steps with longer runs read from qlo_new."""
 
     slots: list[int]
     first_pos: list[int]
     qlo_old: list[int]
     qlo_new: list[int]
+    row_qlo: list[int] | None = None
 
 
 def quantize_k(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,10 @@ scaled per channel over the block's tokens (KIVI: K has outlier channels) and V 
 (and int4's minima) in float16: `k_scale` [N, Hk, D] (int4: [N, 2, Hk, D], scale then minimum),
 `v_scale` [N, bs, Hk] (int4: [N, bs, Hk, 2]). A block is quantized once it is complete and older
 than the sequence's last `recent_window` tokens; until then its tokens live in float16 in the
-sequence's ring of recent blocks (`k_recent`, `v_recent`: `ring_blocks` blocks per sequence slot),
-so the newest tokens are always read at full precision.
+sequence's ring of recent blocks (`k_recent`, `v_recent`: `ring_blocks` blocks per sequence slot).
+A decode (and each row of a step of a few tokens) reads its last `recent_window` tokens or more in
+float16; a longer run of new tokens (a prefill chunk) is quantized as it is written, so its own
+attention reads its older part quantized.
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ class KVLayout:
 
     @property
     def ring_blocks(self) -> int:
-        """Recent blocks per sequence slot: the window plus the block being filled, plus one (a step's
-        newest tokens never overwrite what is still to be quantized)."""
-        return -(-self.recent_window // self.block_size) + 2 if self.quant else 0
+        """Recent blocks per sequence slot: the window, the block being filled, one so that a step's
+        newest tokens never overwrite what is still to be quantized, and one for up to a block of
+        speculative drafts (a verification row reads the ring from its own position's bound)."""
+        return -(-self.recent_window // self.block_size) + 3 if self.quant else 0
 
     @property
     def ring_bytes(self) -> int:

@@ -47,12 +47,16 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
             **vars(ns), "kv_policy": policy, "kv_cache_dtype": dtype, **policy_options(policy, ns),
             "kv_recent_window": ns.kv_recent_window if dtype in QUANTIZED_KV else None}))
 
+    from turbollm.cli.eval_long_cmd import check_recent_window
+
+    check_recent_window(ns)
     for policy, dtype in itertools.product(policies, dtypes):  # every name checked before any model loads
         args_for(policy, dtype)
     text = load_text(ns.data)
     setting = {"model": ns.model, "ctx": ns.ctx, "max_tokens": ns.max_tokens, "kv_policies": policies,
                "kv_cache_dtypes": dtypes, "max_num_batched_tokens": ns.max_num_batched_tokens,
-               "block_size": ns.block_size, "threads": ns.threads or torch.get_num_threads(),
+               "block_size": ns.block_size or "auto (16; 32 for int8/int4)", "kv_recent_window": ns.kv_recent_window,
+               "threads": ns.threads or torch.get_num_threads(),
                "quantization": ns.quantization}
     print("setting: " + json.dumps(setting))
     rows, ref = [], None

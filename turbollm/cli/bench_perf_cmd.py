@@ -109,11 +109,15 @@ def run_bench_prefix(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_itemsize(engine) -> int:
+def _kv_itemsize(engine) -> float:
+    """Bytes per stored K/V element (a quantized format: its blocks' bytes, scales included, per element)."""
     import torch
 
-    dtype = getattr(getattr(engine, "kv_config", None), "dtype", torch.float32)
-    return torch.empty(0, dtype=dtype).element_size()
+    kv = getattr(engine, "kv_config", None)
+    if kv is None:
+        return torch.empty(0, dtype=torch.float32).element_size()
+    lay = kv.groups[0].spec.layout
+    return lay.bytes_per_token / (2 * lay.num_kv_heads * lay.head_dim)
 
 
 def _tokenizer_and_config(resolved):

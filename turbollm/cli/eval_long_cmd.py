@@ -88,6 +88,19 @@ class KVSetting:
                    if self.window is not None else {})}
 
 
+def check_recent_window(ns: argparse.Namespace) -> None:
+    """--kv-recent-window needs an int8/int4 --kv-cache-dtype and a value >= 0 (EvalError otherwise)."""
+    from turbollm.engine.engine_args import QUANTIZED_KV
+    from turbollm.eval.perplexity import EvalError
+
+    if ns.kv_recent_window is None:
+        return
+    if not set(ns.kv_cache_dtype or []) & set(QUANTIZED_KV):
+        raise EvalError("--kv-recent-window applies to --kv-cache-dtype int8 or int4")
+    if ns.kv_recent_window < 0:
+        raise EvalError(f"--kv-recent-window must be >= 0, got {ns.kv_recent_window}")
+
+
 def settings(ns: argparse.Namespace) -> list[KVSetting]:
     """Each policy × dtype; a policy that takes sinks and a window (streaming) once per --attention-sinks."""
     from turbollm.engine.kv_policy import get_kv_policy
@@ -126,6 +139,7 @@ def _check_settings(ns: argparse.Namespace) -> None:
 
     for name in ns.kv_policy or ["auto"]:
         get_kv_policy(name)  # unknown: the error lists the choices
+    check_recent_window(ns)
     if (ns.attention_sinks is not None or ns.kv_window is not None) and \
             not any(s.window is not None or s.sinks is not None for s in settings(ns)):
         raise EvalError("--attention-sinks and --kv-window apply to --kv-policy streaming")

@@ -9,7 +9,7 @@ import argparse
 import datetime
 import time
 
-from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags
+from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags, check_recent_window
 from turbollm.engine.engine_args import DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
@@ -174,6 +174,7 @@ def run_ppl_cmd(ns: argparse.Namespace) -> int:
             raise EvalError(f"{', '.join(ignored)} do(es) not apply to --stream (every position of one request "
                             "is scored through the engine; no reference)")
         set_eval_threads(ns.threads)
+        check_recent_window(ns)
         return run_stream_ppl(ns)
     if (ns.kv_policy is not None or ns.plot is not None or ns.bucket is not None
             or ns.max_num_batched_tokens is not None or ns.attention_sinks is not None or ns.kv_window is not None):
@@ -181,5 +182,6 @@ def run_ppl_cmd(ns: argparse.Namespace) -> int:
                         "apply to --stream only")
     if ns.kv_cache_dtype is not None and len(ns.kv_cache_dtype) > 1:
         raise EvalError("several --kv-cache-dtype values need --stream")
+    check_recent_window(ns)
     eval_ppl(ns)
     return 0

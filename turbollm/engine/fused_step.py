@@ -104,7 +104,7 @@ class FusedDecodeStep:
         if metas[0].recent is not None:  # a quantized format: per group its step's ring slots and bounds
             for m in metas:
                 t = m.derived("recent_tensors", lambda m=m: recent_tensors(m))
-                recent += [t["slots"], t["first"], t["old"], t["new"]]
+                recent += [t["slots"], t["first"], t["old"], t["new"], t["read"]]
         return self.step.forward(x, residual, batch.positions, [m.block_tables for m in metas], lens,
                                  [m.slot_mapping for m in metas], starts, levels, start, end, recent)
 

@@ -256,6 +256,13 @@ class KVCacheConfig:
                                  spec_tokens, recent_window)
 
         probe = build(1)
+        if probe.total_bytes > memory_bytes:
+            from turbollm.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"the KV-cache budget ({memory_bytes / (1 << 20):.1f} MiB) is smaller than one block per group plus "
+                f"the float16 rings of {probe.recent_slots} sequence slots ({probe.ring_bytes / (1 << 20):.2f} MiB each):"
+                f" raise kv_cache_memory, or lower max_num_seqs or kv_recent_window")
         # no group can have more blocks than the budget buys of the cheapest one; bytes grow with n
         lo, hi = 1, max(1, memory_bytes // min(probe.block_bytes(g) for g in range(len(probe.groups))))
         while lo < hi:

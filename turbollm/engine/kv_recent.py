@@ -1,11 +1,15 @@
 """The worker's side of a quantized K/V format's recent window (`attention/kv_quant.py`).
 
 Each sequence with state on the worker holds one ring slot (float16 blocks of its newest tokens, in
-every layer) and `kv_qlo`, the block-aligned position below which its K/V are quantized in the pool.
-Per step, `RecentRings.meta` gives every sequence's slot and its quantized part before and after the
-step: after it, every block that is complete and older than the last `recent_window` tokens of
-what the step computes. A draft token of speculation is never quantized (the window is longer than
-the drafts: `EngineArgs` checks), nor is a block a sliding window has released (it is never read).
+every layer), `kv_qlo`, the block-aligned position below which its K/V are quantized in the pool,
+and `ring_floor`, below which the ring holds nothing of it (a prefix hit's start, or the end of a
+long chunk quantized as written). Per step, `RecentRings.meta` gives every sequence's slot and its
+quantized part before and after the step: after it, every block that is complete and older than
+the last `recent_window` tokens of what the step computes. A block may so be quantized while the
+ring still holds it: a row of a small-query step reads the ring from its own bound (`row_qlo`), as a
+one-token decode of its position would, so verification rows equal plain decodes. A draft token is
+never quantized (the window is longer than the drafts: `EngineArgs` checks), nor is a block a
+sliding window has released (it is never read).
 Slots come back when a sequence finishes or is preempted (a resumed one starts afresh).
 """
 
@@ -30,7 +34,7 @@ class RecentRings:
             if not self.free:
                 raise RuntimeError("internal error: more sequences than the quantized K/V format's ring slots")
             st.ring_slot = self.free.pop()
-        st.kv_qlo = st.num_computed_tokens
+        st.kv_qlo = st.ring_floor = st.num_computed_tokens
 
     def give_back(self, st) -> None:
         if st.ring_slot >= 0:
@@ -41,28 +45,31 @@ class RecentRings:
         """A sibling forked off `parent`: its own slot, holding a copy of the parent's ring."""
         child.ring_slot = -1
         self.take(child)
-        child.kv_qlo = parent.kv_qlo
+        child.kv_qlo, child.ring_floor = parent.kv_qlo, parent.ring_floor
         for cache in self.kv_caches:
             cache.copy_ring(parent.ring_slot, child.ring_slot)
 
     def meta(self, states: list, new_tokens: list[int]) -> list[RecentMeta]:
         """Per KV-cache group, the step's `RecentMeta` for `states` (in batch order) computing `new_tokens`
         each; advances every state's kv_qlo."""
-        bs = self.block_size
-        slots, first, old, new = [], [], [], []
+        bs, R = self.block_size, self.window
+        slots, first, old, new, rows = [], [], [], [], []
         for st, n in zip(states, new_tokens):
             c = st.num_computed_tokens
-            qlo = max(st.kv_qlo, (c + n - self.window) // bs * bs)
+            qlo = max(st.kv_qlo, (c + n - R) // bs * bs)
+            if qlo > c:  # new tokens quantized as written (a long chunk): never in the ring
+                st.ring_floor = max(st.ring_floor, qlo)
             slots.append(st.ring_slot)
             first.append(c)
             old.append(st.kv_qlo)
             new.append(qlo)
+            rows += [max(st.ring_floor, (p + 1 - R) // bs * bs) for p in range(c, c + n)]
             st.kv_qlo = qlo
         out = []
         for g in range(len(self.group_first_layer)):  # released blocks (a sliding window's) are not quantized
             starts = [max(lo, _first_held(st.block_ids[g], lo // bs, hi // bs) * bs)
                       for st, lo, hi in zip(states, old, new)]
-            out.append(RecentMeta(slots, first, starts, new))
+            out.append(RecentMeta(slots, first, starts, new, rows))
         return out
 
 

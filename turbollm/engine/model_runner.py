@@ -39,7 +39,8 @@ class SeqState(SamplingRow):
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int = 0
     ring_slot: int = -1  # a quantized K/V format: its ring of recent tokens (engine/kv_recent.py)
-    kv_qlo: int = 0  # ... and where its quantized K/V end
+    kv_qlo: int = 0  # ... where its quantized K/V end
+    ring_floor: int = 0  # ... and below which its ring holds nothing
 
 
 def _generator(params, index: int) -> torch.Generator | None:

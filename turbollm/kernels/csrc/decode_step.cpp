@@ -160,8 +160,8 @@ class DecodeStep {
   }
 
   // A quantized K/V format (kv_quant.h): per layer {kq, vq, k_scale, v_scale, k_ring, v_ring}; each step
-  // then brings `recent`: per group its sequences' ring slots, first new positions and quantized bounds
-  // before and after the step (kv_quant.py's RecentMeta).
+  // then brings `recent`: per group its sequences' ring slots, first new positions, quantized bounds
+  // before and after the step, and each row's read bound (kv_quant.py's RecentMeta).
   void set_quant_kv(std::vector<std::vector<torch::Tensor>> kv, int64_t ring_blocks, int64_t bits) {
     TORCH_CHECK(kv.size() == layers_.size(), "decode step: one quantized K/V storage per layer");
     qkv_ = std::move(kv);
@@ -219,7 +219,7 @@ class DecodeStep {
     const bool quant = !qkv_.empty();
     torch::Tensor qsl_all;  // the write of a quantized format needs every sequence's rows
     if (quant) {
-      TORCH_CHECK(recent.size() == 4 * block_tables.size(), "decode step: quantized K/V needs its recent data per group");
+      TORCH_CHECK(recent.size() == 5 * block_tables.size(), "decode step: quantized K/V needs its recent data per group");
       qsl_all = query_start_loc ? *query_start_loc : torch::arange(B + 1, torch::kInt64);
     }
     std::vector<torch::Tensor> sink_pos(group_sinks_.size());  // per sink group: min(p, sinks + window - 1)
@@ -255,13 +255,13 @@ class DecodeStep {
       torch::Tensor a;
       if (quant) {
         const auto& kv = qkv_[i];
-        const torch::Tensor &slots = recent[4 * g], &first = recent[4 * g + 1], &old = recent[4 * g + 2],
-                            &fresh = recent[4 * g + 3];
+        const torch::Tensor &slots = recent[5 * g], &first = recent[5 * g + 1], &old = recent[5 * g + 2],
+                            &fresh = recent[5 * g + 3], &read = recent[5 * g + 4];
         paged_write_kv_quant(rows_contiguous(k), rows_contiguous(v), kv[0], kv[1], kv[2], kv[3], kv[4], kv[5],
                              block_tables[g], qsl_all, slots, first, old, fresh, ring_blocks_, bits_);
         a = (tiled ? paged_attention_quant(rows_contiguous(q), kv, block_tables[g], *query_start_loc, seq_lens, slots,
                                            fresh, ring_blocks_, bits_, L.scale, window, L.softcap)
-                   : paged_decode_attention_quant(rows_contiguous(q), kv, block_tables[g], seq_lens, slots, fresh,
+                   : paged_decode_attention_quant(rows_contiguous(q), kv, block_tables[g], seq_lens, slots, read,
                                                   ring_blocks_, bits_, L.scale, window, L.softcap, query_start_loc))
                 .reshape({B, -1});
       } else {

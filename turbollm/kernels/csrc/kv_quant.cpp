@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <array>
+#include <unordered_set>
 #include <vector>
 
 #include "kv_quant.h"
@@ -108,10 +109,13 @@ void paged_write_kv_quant(torch::Tensor k, torch::Tensor v, torch::Tensor kq, to
   const int64_t kst = k.stride(0), vst = v.stride(0);
   auto ring_row = [&](int64_t slot, int64_t p, int64_t h) { return (((slot * ring_blocks + (p / bs) % ring_blocks) * bs + p % bs) * H + h) * D; };
   // 1. quantize: jobs (sequence, block, head)
+  // (n > 1 siblings may share a block not yet quantized: it is quantized once, by the first of them)
   std::vector<std::array<int64_t, 3>> jobs;
+  std::unordered_set<int64_t> seen;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = lop[b] / bs; j < hip[b] / bs; ++j)
-      for (int64_t h = 0; h < H; ++h) jobs.push_back({b, j, h});
+      if (seen.insert(btp[b * W + j]).second)
+        for (int64_t h = 0; h < H; ++h) jobs.push_back({b, j, h});
   at::parallel_for(0, (int64_t)jobs.size(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kx(bs * D), vx(bs * D);
     for (int64_t job = begin; job < end; ++job) {

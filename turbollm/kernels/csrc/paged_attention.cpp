@@ -216,7 +216,7 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
     start[b] = window > 0 ? std::max<int64_t>(0, L - window) : 0;
     sink_end[b] = qsp != nullptr ? std::min(sinks, start[b]) : 0;
     if (qk) {
-      qend[b] = std::min(L, std::max(start[b], qk->qlo[tab[b]]));
+      qend[b] = std::min(L, std::max(start[b], qk->qlo[b]));
       nqc[b] = (qend[b] - start[b] + kChunk - 1) / kChunk;
       nch[b] = nqc[b] + (L - qend[b] + kChunk - 1) / kChunk;
     } else {
@@ -265,7 +265,7 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
         } else {  // int4: dequantized into float rows
           kbuf.resize((t1 - t0) * D);
           vbuf.resize((t1 - t0) * D);
-          load_quant_rows(*qk, table, qk->qlo[tab[b]], qk->slot[tab[b]], h, t0, t1, kbuf.data(), vbuf.data());
+          load_quant_rows(*qk, table, qk->qlo[b], qk->slot[tab[b]], h, t0, t1, kbuf.data(), vbuf.data());
           for (int64_t i = 0; i < t1 - t0; ++i) off[i] = i * D;
           attend_chunk<float>(tk, t1 - t0, kbuf.data(), vbuf.data(), off.data(), pt, pt + G, pt + 2 * G, scores,
                               frows);
@@ -341,8 +341,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // Decode attention (one or a few new tokens per sequence, as paged_decode_attention) over quantized
-// K/V (kv_quant.h): each chunk of positions dequantized from the pool or widened from the ring into
-// float rows, then attended as float K/V.
+// K/V (kv_quant.h); `qlo` is per query row (each row reads the ring from its own bound, as a decode
+// of its position would). Pool chunks of int8 read by attend_chunk_q8, of int4 dequantized into float
+// rows; ring chunks read in place as float16.
 torch::Tensor paged_decode_attention_quant(torch::Tensor q, std::vector<torch::Tensor> kv, torch::Tensor block_tables,
                                            torch::Tensor seq_lens, torch::Tensor slots, torch::Tensor qlo,
                                            int64_t ring_blocks, int64_t bits, double scale, int64_t window,
@@ -350,6 +351,7 @@ torch::Tensor paged_decode_attention_quant(torch::Tensor q, std::vector<torch::T
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 [B, Hq, D] with contiguous rows");
   auto sl = slots.to(torch::kInt64).contiguous(), ql = qlo.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ql.numel() == q.size(0), "quantized decode attention: one read bound (qlo) per query row");
   QuantKV qk = make_quant_kv(kv, ring_blocks, bits, q.size(2), sl, ql, block_tables.size(0));
   return decode_attention_impl<float>(q, kv[4], kv[5], block_tables, seq_lens, scale, window, softcap, query_start_loc,
                                       0, nullptr, 0, &qk);
