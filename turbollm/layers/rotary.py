@@ -56,7 +56,6 @@ class RotaryEmbedding(nn.Module):
             return q, k
         return rope_reference(positions, q, k, self.cos, self.sin)
 
-
     def rotate_q(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] rotated to `positions` (within the tables `forward` grew), in place when the kernel
         takes it (the same arithmetic as `forward`: a position's rotation is bit-identical either way)."""
