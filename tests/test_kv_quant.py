@@ -61,7 +61,7 @@ def _simulate(quant, steps, R=20, bs=8, H=2, D=16, nseq=2, seed=0, write=write_r
     slots = [2, 0][:nseq]
     for n in steps:
         new = [max(q, (c + n - R) // bs * bs) for q in qlo]
-        meta = RecentMeta(slots, [c] * nseq, list(qlo), new)
+        meta = RecentMeta(slots, [c] * nseq, list(qlo), new, [hi for hi in new for _ in range(n)])
         k = truth[:, c:c + n, 0].reshape(-1, H, D)
         v = truth[:, c:c + n, 1].reshape(-1, H, D)
         write(k, v, cache, tables, [i * n for i in range(nseq + 1)], meta)

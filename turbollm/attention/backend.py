@@ -46,7 +46,7 @@ class AttentionBackend:
         """Attention over a quantized format (the reference: each sequence's K/V dequantized, then `attend_one`)."""
         qsl, rec = meta.query_start_loc, meta.recent
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        small = meta.max_query_len <= SMALL_QUERY_MAX and rec.row_qlo is not None
+        small = meta.max_query_len <= SMALL_QUERY_MAX
         for i in range(meta.num_seqs):
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
             if small:  # each row as a decode of its position, reading the ring from its own bound
@@ -244,7 +244,7 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
         self.kernels.paged_write_kv_quant(_rows_contiguous(k), _rows_contiguous(v), cache.k, cache.v, cache.k_scale,
                                           cache.v_scale, cache.k_recent, cache.v_recent, meta.block_tables,
                                           t["qsl"], t["slots"], t["first"], t["old"], t["new"],
-                                          cache.layout.ring_blocks, QUANT_BITS[cache.layout.quant])
+                                          cache.layout.ring_blocks, cache.layout.quant_bits)
 
     def forward_quant(self, q, cache, meta, scale, window, softcap):
         if self.kernels is None or q.dtype != torch.float32:
@@ -252,7 +252,7 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
         t = meta.derived("recent_tensors", lambda: recent_tensors(meta))
         kv = [cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_recent, cache.v_recent]
         lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
-        args = (cache.layout.ring_blocks, QUANT_BITS[cache.layout.quant], scale, window or -1, softcap or 0.0)
+        args = (cache.layout.ring_blocks, cache.layout.quant_bits, scale, window or -1, softcap or 0.0)
         if meta.max_query_len <= self.kernels.small_query_max:  # decodes, a few tokens: one decode per token
             res = self.kernels.paged_decode_attention_quant(_rows_contiguous(q), kv, meta.block_tables, lens,
                                                             t["slots"], t["read"], *args,
@@ -269,15 +269,12 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
         self.kernels.paged_write_kv(_rows_contiguous(k), _rows_contiguous(v), k_cache, v_cache, meta.slot_mapping)
 
 
-QUANT_BITS = {"int8": 8, "int4": 4}
-
-
 def recent_tensors(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
     """A quantized format's per-sequence step data as the kernels take it (built once per step and group)."""
     rec = meta.recent
     return {"qsl": torch.tensor(meta.query_start_loc), "slots": torch.tensor(rec.slots),
             "first": torch.tensor(rec.first_pos), "old": torch.tensor(rec.qlo_old), "new": torch.tensor(rec.qlo_new),
-            "read": torch.tensor(rec.row_qlo if rec.row_qlo is not None else rec.qlo_new)}
+            "read": torch.tensor(rec.row_qlo)}
 
 
 def get_attention_backend(name: str = "cpu") -> AttentionBackend:

@@ -39,7 +39,7 @@ class RecentMeta:
     first_pos: list[int]
     qlo_old: list[int]
     qlo_new: list[int]
-    row_qlo: list[int] | None = None
+    row_qlo: list[int]
 
 
 def quantize_k(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:

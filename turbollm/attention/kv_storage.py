@@ -42,6 +42,11 @@ class KVLayout:
         return QUANT_FORMATS.get(self.dtype)
 
     @property
+    def quant_bits(self) -> int:
+        """Bits per stored value of a quantized format (8 or 4); 0 for float32 / float16."""
+        return {"int8": 8, "int4": 4}.get(self.quant, 0)
+
+    @property
     def itemsize(self) -> int:
         return torch.tensor([], dtype=self.dtype).element_size()
 

@@ -32,7 +32,7 @@ import logging
 import torch
 from torch import nn
 
-from turbollm.attention.backend import QUANT_BITS, CPUKernelAttentionBackend, recent_tensors
+from turbollm.attention.backend import CPUKernelAttentionBackend, recent_tensors
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.distributed import get_tp
 from turbollm.kernels import cpu_kernels
@@ -144,10 +144,10 @@ class FusedDecodeStep:
             logger.warning("turbollm: fused decode step not used for this model (%s)", self.unavailable)
             return
         step.set_kv_caches([c.k for c in self.kv_caches], [c.v for c in self.kv_caches], list(self.layer_groups))
-        quant = self.kv_caches[0].layout.quant
-        if quant is not None:  # int8 / int4 blocks with float16 scales and each sequence's ring of recent tokens
+        lay = self.kv_caches[0].layout
+        if lay.quant is not None:  # int8 / int4 blocks with float16 scales and each sequence's ring of recent tokens
             step.set_quant_kv([[c.k, c.v, c.k_scale, c.v_scale, c.k_recent, c.v_recent] for c in self.kv_caches],
-                              self.kv_caches[0].layout.ring_blocks, QUANT_BITS[quant])
+                              lay.ring_blocks, lay.quant_bits)
         self.group_attention = []
         self.step, self.built_version = step, self.model.weights_version
         self._set_hooks()

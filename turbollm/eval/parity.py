@@ -84,8 +84,9 @@ def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size
     meta = AttentionMetadata(torch.tensor(slots), qsl, [len(p) for p in prompts], torch.tensor(tables), block_size)
     if layout.quant:
         n = len(prompts)
-        meta.recent = RecentMeta(list(range(n)), [0] * n, [0] * n,
-                                 [max(0, len(p) - kv_recent_window) // block_size * block_size for p in prompts])
+        qlo = [max(0, len(p) - kv_recent_window) // block_size * block_size for p in prompts]
+        # one pass from position 0: the ring holds each prompt from its qlo on, for every row
+        meta.recent = RecentMeta(list(range(n)), [0] * n, [0] * n, qlo, [q for q, p in zip(qlo, prompts) for _ in p])
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.tensor([i for p in prompts for i in range(len(p))])
     return ForwardBatch(ids, pos, meta, caches, get_attention_backend()), qsl
