@@ -23,14 +23,6 @@ def add_kv_bench(bsub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench_kv)
 
 
-def policy_options(policy: str, ns: argparse.Namespace) -> dict:
-    """--attention-sinks / --kv-window for the policies that take them (streaming), None for the others."""
-    from turbollm.engine.kv_policy import get_kv_policy
-
-    takes = "window" in get_kv_policy(policy).options
-    return {"attention_sinks": ns.attention_sinks if takes else None, "kv_window": ns.kv_window if takes else None}
-
-
 def run_bench_kv(ns: argparse.Namespace) -> int:
     import torch
 
@@ -40,14 +32,11 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
 
     policies = ns.kv_policy or ["dense", "auto"]
     dtypes = ns.kv_cache_dtype or ["auto"]
-    def args_for(policy: str, dtype: str):
-        from turbollm.engine.engine_args import QUANTIZED_KV
+    from turbollm.cli.eval_long_cmd import check_recent_window, kv_setting
 
-        return engine_args_from(argparse.Namespace(**{
-            **vars(ns), "kv_policy": policy, "kv_cache_dtype": dtype, **policy_options(policy, ns),
-            "kv_recent_window": ns.kv_recent_window if dtype in QUANTIZED_KV else None}))
-
-    from turbollm.cli.eval_long_cmd import check_recent_window
+    def args_for(policy: str, dtype: str):  # the options that apply to this policy and dtype
+        setting = kv_setting(policy, dtype, ns.attention_sinks, ns.kv_window, ns.kv_recent_window)
+        return engine_args_from(argparse.Namespace(**{**vars(ns), **setting.engine_kwargs()}))
 
     check_recent_window(ns)
     for policy, dtype in itertools.product(policies, dtypes):  # every name checked before any model loads

@@ -73,10 +73,16 @@ class KVSetting:
     recent: int | None = None  # a quantized dtype's recent window (None: the engine's default)
 
     @property
+    def sink_count(self) -> int:
+        from turbollm.engine.kv_policy import KVPolicyConfig
+
+        return KVPolicyConfig(self.policy, self.sinks, self.window).sink_count
+
+    @property
     def label(self) -> str:
         if self.window is None:
             return f"{self.policy} / {self.dtype}"
-        return f"{self.policy}(sinks={4 if self.sinks is None else self.sinks}, window={self.window}) / {self.dtype}"
+        return f"{self.policy}(sinks={self.sink_count}, window={self.window}) / {self.dtype}"
 
     def engine_kwargs(self) -> dict:
         return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype, "attention_sinks": self.sinks,
@@ -84,7 +90,7 @@ class KVSetting:
 
     def record(self) -> dict:
         return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype,
-                **({"attention_sinks": 4 if self.sinks is None else self.sinks, "kv_window": self.window}
+                **({"attention_sinks": self.sink_count, "kv_window": self.window}
                    if self.window is not None else {})}
 
 
@@ -101,19 +107,26 @@ def check_recent_window(ns: argparse.Namespace) -> None:
         raise EvalError(f"--kv-recent-window must be >= 0, got {ns.kv_recent_window}")
 
 
+def kv_setting(policy: str, dtype: str, sinks: int | None = None, window: int | None = None,
+               recent: int | None = None) -> KVSetting:
+    """`policy` and `dtype` with the options that apply to them (sinks and window to a policy that takes
+    them, the recent window to a quantized dtype); the others dropped."""
+    from turbollm.engine.engine_args import QUANTIZED_KV
+    from turbollm.engine.kv_policy import get_kv_policy
+
+    takes = get_kv_policy(policy).options
+    return KVSetting(policy, dtype, sinks if "sinks" in takes else None, window if "window" in takes else None,
+                     recent if dtype in QUANTIZED_KV else None)
+
+
 def settings(ns: argparse.Namespace) -> list[KVSetting]:
     """Each policy × dtype; a policy that takes sinks and a window (streaming) once per --attention-sinks."""
     from turbollm.engine.kv_policy import get_kv_policy
 
-    from turbollm.engine.engine_args import QUANTIZED_KV
-
     out = []
     for policy, dtype in itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]):
-        recent = ns.kv_recent_window if dtype in QUANTIZED_KV else None
-        if "sinks" in get_kv_policy(policy).options:
-            out += [KVSetting(policy, dtype, s, ns.kv_window, recent) for s in (ns.attention_sinks or [None])]
-        else:
-            out.append(KVSetting(policy, dtype, recent=recent))
+        sinks = (ns.attention_sinks or [None]) if "sinks" in get_kv_policy(policy).options else [None]
+        out += [kv_setting(policy, dtype, s, ns.kv_window, ns.kv_recent_window) for s in sinks]
     return out
 
 

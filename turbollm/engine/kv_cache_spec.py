@@ -108,6 +108,9 @@ class SlidingWindowSpec(KVCacheSpec):
         return max_num_seqs * per_slot + -(-max_num_batched_tokens // bs)
 
 
+DEFAULT_ATTENTION_SINKS = 4  # StreamingLLM's choice: four initial tokens hold the spare attention
+
+
 @dataclass(frozen=True)
 class SinkWindowSpec(SlidingWindowSpec):
     """Attention sinks + a window (StreamingLLM): token p sees the first `sinks` positions and
@@ -119,7 +122,7 @@ class SinkWindowSpec(SlidingWindowSpec):
     to position min(p, S+W-1) (`q_sink`) and the window with the query as it is, in one softmax. The
     largest distance any query meets is S+W-1, whatever the sequence's length."""
 
-    sinks: int = 4
+    sinks: int = DEFAULT_ATTENTION_SINKS
 
     @property
     def kind(self) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from turbollm.attention.kv_storage import KVLayout
-from turbollm.engine.kv_cache_spec import KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
+from turbollm.engine.kv_cache_spec import DEFAULT_ATTENTION_SINKS, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
 from turbollm.errors import InvalidRequestError
 
 
@@ -31,8 +31,12 @@ class KVPolicyConfig:
     """A policy and its options, as the engine's arguments give them (plain data)."""
 
     name: str = "auto"
-    sinks: int | None = None  # attention sinks (streaming; default 4)
+    sinks: int | None = None  # attention sinks (streaming; default DEFAULT_ATTENTION_SINKS)
     window: int | None = None  # tokens each layer keeps besides the sinks (streaming; required)
+
+    @property
+    def sink_count(self) -> int:
+        return DEFAULT_ATTENTION_SINKS if self.sinks is None else self.sinks
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,11 @@ def _own(layout: KVLayout, window: int | None, release: bool = True) -> KVCacheS
 def _streaming_spec(layout: KVLayout, window: int | None, options: KVPolicyConfig) -> KVCacheSpec:
     if window is not None and window <= options.window:  # a sliding layer whose window is already shorter
         return SlidingWindowSpec(layout, window)
-    return SinkWindowSpec(layout, options.window, sinks=4 if options.sinks is None else options.sinks)
+    return SinkWindowSpec(layout, options.window, sinks=options.sink_count)
 
 
 def _check_streaming(options: KVPolicyConfig, block_size: int) -> None:
-    sinks = 4 if options.sinks is None else options.sinks
+    sinks = options.sink_count
     if options.window is None:
         raise InvalidRequestError("kv_policy 'streaming' needs kv_window (the recent tokens each layer keeps)")
     if sinks < 0:
