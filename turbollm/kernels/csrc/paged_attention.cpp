@@ -245,7 +245,8 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
       const int64_t cw = c - (sink_end[b] > 0);  // index among the window's chunks
       int64_t t0 = sink ? 0 : start[b] + cw * kChunk, t1 = sink ? sink_end[b] : std::min(lp[b], t0 + kChunk);
       const int64_t* table = btp + tab[b] * W;
-      if (qk) {  // dequantized (or widened from the ring) into float rows, then attended as float K/V
+      float* pt = partial.data() + j * part;
+      if (qk) {  // quantized K/V: a chunk of the pool's part, or of the ring's
         if (c < nqc[b]) {
           t1 = std::min(qend[b], t0 + kChunk);
         } else {
@@ -253,7 +254,6 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
           t1 = std::min(lp[b], t0 + kChunk);
         }
         const Task tk{qp + b * qstride + h * G * D, G, D, fscale, cap};
-        float* pt = partial.data() + j * part;
         off.resize(t1 - t0);
         if (c >= nqc[b]) {  // the ring: float16 rows read in place
           const int64_t sl = qk->slot[tab[b]];
@@ -270,24 +270,16 @@ torch::Tensor decode_attention_impl(const torch::Tensor& q, const torch::Tensor&
           attend_chunk<float>(tk, t1 - t0, kbuf.data(), vbuf.data(), off.data(), pt, pt + G, pt + 2 * G, scores,
                               frows);
         }
-        if (nch[b] == 1) {
-          float* og = op + (b * Hq + h * G) * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float inv = 1.f / pt[G + g];
-            for (int64_t d = 0; d < D; ++d) og[g * D + d] = pt[2 * G + g * D + d] * inv;
-          }
+      } else {
+        off.resize(t1 - t0);  // row offsets, walking the block table (no division per position)
+        int64_t blk = t0 / BS, slot = t0 % BS;
+        for (int64_t i = 0; i < t1 - t0; ++i) {
+          off[i] = ((table[blk] * BS + slot) * Hk + h) * D;
+          if (++slot == BS) { slot = 0; ++blk; }
         }
-        continue;
+        const Task tk{(sink ? qsp + b * qs_stride : qp + b * qstride) + h * G * D, G, D, fscale, cap};
+        attend_chunk<T>(tk, t1 - t0, kp, vp, off.data(), pt, pt + G, pt + 2 * G, scores, rows);
       }
-      off.resize(t1 - t0);  // row offsets, walking the block table (no division per position)
-      int64_t blk = t0 / BS, slot = t0 % BS;
-      for (int64_t i = 0; i < t1 - t0; ++i) {
-        off[i] = ((table[blk] * BS + slot) * Hk + h) * D;
-        if (++slot == BS) { slot = 0; ++blk; }
-      }
-      const Task tk{(sink ? qsp + b * qs_stride : qp + b * qstride) + h * G * D, G, D, fscale, cap};
-      float* pt = partial.data() + j * part;
-      attend_chunk<T>(tk, t1 - t0, kp, vp, off.data(), pt, pt + G, pt + 2 * G, scores, rows);
       if (nch[b] == 1) {  // the whole window in one chunk: normalize into the output now
         float* og = op + (b * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {
