@@ -132,6 +132,21 @@ def test_eval_ppl_stream_past_the_context(tiny, tmp_path):
     assert sinks["peak_kv_MiB"] < dense["peak_kv_MiB"] and sinks["ppl"] != window["ppl"]
 
 
+def test_eval_ppl_stream_segments_and_eviction_budget(tiny, tmp_path):
+    """--segments pools several requests by position; --kv-budget reaches the eviction policies only, which
+    evict and stay within the budget (plus a chunk) while the window runs beside them."""
+    out = tmp_path / "stream.json"
+    rc = main(["eval", "ppl", str(tiny["llama"]), "--stream", "--ctx", "200", "--segments", "2", "--kv-policy",
+               "auto", "h2o", "snapkv", "--kv-budget", "64", "--data", str(_text(tmp_path)), "--threads", "2",
+               "--bucket", "50", "--max-num-batched-tokens", "32", "--json", str(out)])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    auto, h2o, snap = rec["results"]
+    assert rec["segments"] == 2 and auto["tokens"] == h2o["tokens"] == 200
+    assert "kv_budget" not in auto and h2o["kv_budget"] == snap["kv_budget"] == 64
+    assert h2o["peak_kv_MiB"] < auto["peak_kv_MiB"] and h2o["ppl"] != auto["ppl"] != snap["ppl"]
+
+
 def test_eval_long_bad_input(tiny, tmp_path, capsys):
     """Clear errors, exit status 1, before anything is scored."""
     text = str(_text(tmp_path))
@@ -148,6 +163,11 @@ def test_eval_long_bad_input(tiny, tmp_path, capsys):
              "need --stream"),
             (["eval", "ppl", str(tiny["llama"]), "--stream", "--max-tokens", "50", "--data", text],
              "--max-tokens do(es) not apply to --stream"),
+            (["eval", "ppl", str(tiny["llama"]), "--stream", "--kv-budget", "64", "--data", text],
+             "--kv-budget applies to --kv-policy h2o or snapkv"),
+            (["eval", "ppl", str(tiny["llama"]), "--stream", "--segments", "0", "--data", text],
+             "--segments must be >= 1"),
+            (["eval", "ppl", str(tiny["llama"]), "--segments", "2", "--data", text], "apply to --stream only"),
             (["eval", "passkey", str(tiny["llama"]), "--kv-policy", "nope"], "kv_policy 'nope'"),
             (["eval", "passkey", str(tiny["llama"]), "--depths", "1.5"], "--depths within")):
         assert main(argv) == 1

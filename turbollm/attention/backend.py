@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from turbollm.attention.key_mass import accumulate_key_mass
 from turbollm.attention.kv_quant import SMALL_QUERY_MAX, gather_reference, write_reference
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.attention.metadata import AttentionMetadata
@@ -58,6 +59,11 @@ class AttentionBackend:
             k, v = gather_reference(cache, meta.block_tables[i], rec.slots[i], rec.qlo_new[i], seq_len)
             out[start:end] = attend_one(q[start:end], k, v, scale, seq_len - (end - start), window, softcap)
         return out
+
+    def key_mass(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 softcap: float | None) -> None:
+        """An eviction policy's scores: add this layer's attention mass per table entry to `meta.key_mass`."""
+        accumulate_key_mass(q, k_cache, meta, scale, softcap)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, softcap: float | None, sinks: int = 0,
@@ -261,6 +267,14 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
             res = self.kernels.paged_attention_quant(_rows_contiguous(q), kv, meta.block_tables, t["qsl"], lens,
                                                      t["slots"], t["new"], *args)
         return res.reshape(q.shape[0], -1)
+
+    def key_mass(self, q, k_cache, meta, scale, softcap):
+        if self.kernels is None or q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.float16):
+            return super().key_mass(q, k_cache, meta, scale, softcap)
+        km = meta.key_mass
+        t = meta.derived("key_mass_tensors", lambda: (torch.tensor(meta.query_start_loc), torch.tensor(meta.seq_lens),
+                                                      torch.tensor(km.first_rows)))
+        self.kernels.paged_key_mass(_rows_contiguous(q), k_cache, meta.block_tables, *t, scale, softcap or 0.0, km.out)
 
     def write_kv(self, k, v, k_cache, v_cache, meta):
         same = k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.float16)

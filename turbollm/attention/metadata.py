@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from turbollm.attention.key_mass import KeyMass
 from turbollm.attention.kv_quant import RecentMeta
 
 
@@ -30,6 +31,8 @@ class AttentionMetadata:
     sinks: int = 0
     # A quantized K/V format's per-sequence ring slots and quantized-part bounds (`attention/kv_quant.py`)
     recent: RecentMeta | None = None
+    # An attention-score eviction policy: which rows' attention each layer adds up per block (`key_mass.py`)
+    key_mass: KeyMass | None = None
     # Values derived from the fields above that every layer needs (decode index tensors...),
     # computed once per step by the first layer that asks: see `derived`.
     _derived: dict = field(default_factory=dict, repr=False, compare=False)

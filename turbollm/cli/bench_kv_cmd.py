@@ -35,7 +35,7 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
     from turbollm.cli.eval_long_cmd import check_recent_window, kv_setting
 
     def args_for(policy: str, dtype: str):  # the options that apply to this policy and dtype
-        setting = kv_setting(policy, dtype, ns.attention_sinks, ns.kv_window, ns.kv_recent_window)
+        setting = kv_setting(policy, dtype, ns.attention_sinks, ns.kv_window, ns.kv_recent_window, ns.kv_budget)
         return engine_args_from(argparse.Namespace(**{**vars(ns), **setting.engine_kwargs()}))
 
     check_recent_window(ns)
@@ -45,6 +45,7 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
     setting = {"model": ns.model, "ctx": ns.ctx, "max_tokens": ns.max_tokens, "kv_policies": policies,
                "kv_cache_dtypes": dtypes, "max_num_batched_tokens": ns.max_num_batched_tokens,
                "block_size": ns.block_size or "auto (16; 32 for int8/int4)", "kv_recent_window": ns.kv_recent_window,
+               "kv_window": ns.kv_window, "attention_sinks": ns.attention_sinks, "kv_budget": ns.kv_budget,
                "threads": ns.threads or torch.get_num_threads(),
                "quantization": ns.quantization}
     print("setting: " + json.dumps(setting))

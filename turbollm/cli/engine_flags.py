@@ -51,11 +51,14 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                    help="which K/V each layer keeps: auto (default; sliding-window layers such as Gemma 3's release "
                         "the blocks their window has passed), dense (every layer keeps every block), streaming "
                         "(attention sinks + a window, StreamingLLM: flat memory at any length, past the trained "
-                        "context; needs --kv-window)")
+                        "context; needs --kv-window), h2o / snapkv (attention-score eviction: each sequence keeps "
+                        "--kv-budget tokens, its least-attended blocks evicted)")
     p.add_argument("--attention-sinks", type=int, default=None,
                    help="with --kv-policy streaming: the first tokens every layer keeps (default 4; 0: window only)")
     p.add_argument("--kv-window", type=int, default=None,
                    help="with --kv-policy streaming: the most recent tokens every layer keeps")
+    p.add_argument("--kv-budget", type=int, default=None,
+                   help="with --kv-policy h2o / snapkv: the tokens of K/V each sequence keeps")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -85,5 +88,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         seed=ns.seed, threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
         kv_cache_dtype=ns.kv_cache_dtype, kv_policy=getattr(ns, "kv_policy", "auto"), enforce_eager=ns.enforce_eager,
         attention_sinks=ns.attention_sinks, kv_window=ns.kv_window, kv_recent_window=ns.kv_recent_window,
+        kv_budget=ns.kv_budget,
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
         speculative_config=getattr(ns, "speculative_config", None))

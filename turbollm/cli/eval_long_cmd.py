@@ -47,6 +47,8 @@ def add_streaming_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-sinks", type=int, nargs="+", default=None,
                    help="with --kv-policy streaming: sink counts to run in turn (default 4; 0: the window alone)")
     p.add_argument("--kv-window", type=int, default=None, help="with --kv-policy streaming: tokens each layer keeps")
+    p.add_argument("--kv-budget", type=int, default=None,
+                   help="with --kv-policy h2o / snapkv: tokens each sequence keeps (its least-attended blocks evicted)")
 
 
 DEFAULT_CHUNK = 2048
@@ -71,6 +73,7 @@ class KVSetting:
     sinks: int | None = None
     window: int | None = None
     recent: int | None = None  # a quantized dtype's recent window (None: the engine's default)
+    budget: int | None = None  # an eviction policy's tokens per sequence
 
     @property
     def sink_count(self) -> int:
@@ -80,18 +83,21 @@ class KVSetting:
 
     @property
     def label(self) -> str:
+        if self.budget is not None:
+            return f"{self.policy}(budget={self.budget}) / {self.dtype}"
         if self.window is None:
             return f"{self.policy} / {self.dtype}"
         return f"{self.policy}(sinks={self.sink_count}, window={self.window}) / {self.dtype}"
 
     def engine_kwargs(self) -> dict:
         return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype, "attention_sinks": self.sinks,
-                "kv_window": self.window, "kv_recent_window": self.recent}
+                "kv_window": self.window, "kv_recent_window": self.recent, "kv_budget": self.budget}
 
     def record(self) -> dict:
         return {"kv_policy": self.policy, "kv_cache_dtype": self.dtype,
                 **({"attention_sinks": self.sink_count, "kv_window": self.window}
-                   if self.window is not None else {})}
+                   if self.window is not None else {}),
+                **({"kv_budget": self.budget} if self.budget is not None else {})}
 
 
 def check_recent_window(ns: argparse.Namespace) -> None:
@@ -108,15 +114,15 @@ def check_recent_window(ns: argparse.Namespace) -> None:
 
 
 def kv_setting(policy: str, dtype: str, sinks: int | None = None, window: int | None = None,
-               recent: int | None = None) -> KVSetting:
-    """`policy` and `dtype` with the options that apply to them (sinks and window to a policy that takes
-    them, the recent window to a quantized dtype); the others dropped."""
+               recent: int | None = None, budget: int | None = None) -> KVSetting:
+    """`policy` and `dtype` with the options that apply to them (sinks, window, budget to a policy that
+    takes them, the recent window to a quantized dtype); the others dropped."""
     from turbollm.engine.engine_args import QUANTIZED_KV
     from turbollm.engine.kv_policy import get_kv_policy
 
     takes = get_kv_policy(policy).options
     return KVSetting(policy, dtype, sinks if "sinks" in takes else None, window if "window" in takes else None,
-                     recent if dtype in QUANTIZED_KV else None)
+                     recent if dtype in QUANTIZED_KV else None, budget if "budget" in takes else None)
 
 
 def settings(ns: argparse.Namespace) -> list[KVSetting]:
@@ -126,7 +132,8 @@ def settings(ns: argparse.Namespace) -> list[KVSetting]:
     out = []
     for policy, dtype in itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]):
         sinks = (ns.attention_sinks or [None]) if "sinks" in get_kv_policy(policy).options else [None]
-        out += [kv_setting(policy, dtype, s, ns.kv_window, ns.kv_recent_window) for s in sinks]
+        out += [kv_setting(policy, dtype, s, ns.kv_window, ns.kv_recent_window, getattr(ns, "kv_budget", None))
+                for s in sinks]
     return out
 
 
@@ -156,16 +163,19 @@ def _check_settings(ns: argparse.Namespace) -> None:
     if (ns.attention_sinks is not None or ns.kv_window is not None) and \
             not any(s.window is not None or s.sinks is not None for s in settings(ns)):
         raise EvalError("--attention-sinks and --kv-window apply to --kv-policy streaming")
+    if ns.kv_budget is not None and not any(s.budget is not None for s in settings(ns)):
+        raise EvalError("--kv-budget applies to --kv-policy h2o or snapkv")
     for setting in settings(ns):
         EngineArgs(model=ns.model, **setting.engine_kwargs())
 
 
 def run_stream_ppl(ns: argparse.Namespace) -> int:
-    """`eval ppl --stream`: the first --ctx tokens of the text scored as one request, per setting."""
+    """`eval ppl --stream`: the first --ctx tokens of the text scored as one request, per setting (with
+    --segments N: N consecutive segments of --ctx tokens, one request each, pooled by position)."""
     import torch
 
     from turbollm.benchmarks.report import write_json
-    from turbollm.eval.long_context import plot_by_position, stream_score
+    from turbollm.eval.long_context import merge_segments, plot_by_position, stream_score
     from turbollm.eval.perplexity import EvalError, default_data_path, load_text, tokenize_text
 
     for flag, value in (("--reference-model", ns.reference_model), ("--qmatmul", ns.qmatmul)):
@@ -176,7 +186,10 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
     _check_settings(ns)
     text = load_text(ns.data or str(default_data_path()))
     bucket = ns.bucket or max(1, ns.ctx // 16)
-    record = {"model": ns.model, "stream_tokens": ns.ctx, "bucket": bucket, "quantization": ns.quantization,
+    if ns.segments < 1:
+        raise EvalError(f"--segments must be >= 1, got {ns.segments}")
+    record = {"model": ns.model, "stream_tokens": ns.ctx, "segments": ns.segments, "bucket": bucket,
+              "quantization": ns.quantization,
               "max_num_batched_tokens": chunk(ns),
               "threads": ns.threads or torch.get_num_threads(), "results": [],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -188,14 +201,16 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
         llm = _llm(ns, setting, ns.ctx + 1, shorter_ok=True)
         if ids is None:  # every setting runs the same model: the text is tokenized once
             text_ids, bos = tokenize_text(llm.engine.tokenizer, text)
-            ids = (([bos] if bos is not None else []) + text_ids)[:ns.ctx]
-            if len(ids) < ns.ctx:
-                raise EvalError(f"the text has {len(ids)} tokens, fewer than --ctx {ns.ctx}")
+            head = [bos] if bos is not None else []
+            per = ns.ctx - len(head)  # text tokens per segment
+            ids = [head + text_ids[i * per:(i + 1) * per] for i in range(ns.segments)]
+            if len(ids[-1]) < ns.ctx:
+                raise EvalError(f"the text has {len(text_ids)} tokens, fewer than --segments × --ctx")
         n = min(ns.ctx, llm.engine.max_model_len - 1)
         if n < ns.ctx:
             print(f"  {setting.label}: the first {n} tokens only (the model's context, or what the KV cache holds; "
                   f"--kv-policy streaming runs past it)")
-        res = stream_score(llm, ids[:n])
+        res = merge_segments([stream_score(llm, seg[:n]) for seg in ids])
         row = {**setting.record(), **res.summary(bucket)}
         record["results"].append(row)
         curves[setting.label] = res.by_position(bucket)

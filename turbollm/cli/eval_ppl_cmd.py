@@ -67,6 +67,8 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-policy", nargs="+", default=None, help="with --stream: KV policies to run in turn")
     add_streaming_flags(p)
     p.add_argument("--bucket", type=int, default=None, help="with --stream: positions per bucket (default ctx/16)")
+    p.add_argument("--segments", type=int, default=1,
+                   help="with --stream: consecutive segments of --ctx tokens scored, one request each (default 1)")
     p.add_argument("--plot", metavar="PNG", default=None, help="with --stream: perplexity against position")
     add_chunk_flag(p)
     p.set_defaults(func=run_ppl_cmd)
@@ -177,8 +179,10 @@ def run_ppl_cmd(ns: argparse.Namespace) -> int:
         check_recent_window(ns)
         return run_stream_ppl(ns)
     if (ns.kv_policy is not None or ns.plot is not None or ns.bucket is not None
-            or ns.max_num_batched_tokens is not None or ns.attention_sinks is not None or ns.kv_window is not None):
-        raise EvalError("--kv-policy, --attention-sinks, --kv-window, --bucket, --plot and --max-num-batched-tokens "
+            or ns.max_num_batched_tokens is not None or ns.attention_sinks is not None or ns.kv_window is not None
+            or ns.kv_budget is not None or ns.segments != 1):
+        raise EvalError("--kv-policy, --attention-sinks, --kv-window, --kv-budget, --segments, --bucket, --plot and "
+                        "--max-num-batched-tokens "
                         "apply to --stream only")
     if ns.kv_cache_dtype is not None and len(ns.kv_cache_dtype) > 1:
         raise EvalError("several --kv-cache-dtype values need --stream")

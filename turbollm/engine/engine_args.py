@@ -84,6 +84,8 @@ class EngineArgs:
     # kv_window tokens each layer keeps (sequences may then run past the model's trained context)
     attention_sinks: int | None = None
     kv_window: int | None = None
+    # kv_policy "h2o" / "snapkv": the tokens of K/V each sequence keeps (its least-attended blocks evicted)
+    kv_budget: int | None = None
     # True: every step runs the layers as PyTorch modules; False: decode steps and steps of a few
     # tokens run all layers in one C++ call with the same kernels (engine/fused_step.py; same
     # results, less Python)
@@ -120,7 +122,7 @@ class EngineArgs:
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
                                       "'uni' (the worker in this process) or 'mp' (a worker process)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        from turbollm.engine.kv_policy import check_kv_policy
+        from turbollm.engine.kv_policy import check_kv_policy, get_kv_policy
 
         check_kv_policy(self.kv_policy_config(), self.block_size)  # unknown names, stray or bad options
         if self.kv_policy == "streaming" and self.speculative_config is not None \
@@ -129,6 +131,13 @@ class EngineArgs:
                                       "block table, whose released blocks it would need); use method 'ngram' or "
                                       "'suffix'")
         self._check_quantized_kv()
+        if get_kv_policy(self.kv_policy).evicts:
+            if self.speculative_config is not None:
+                raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take speculative decoding (verified "
+                                          "drafts would vote in the attention scores)")
+            if self.kv_cache_dtype in QUANTIZED_KV:
+                raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take kv_cache_dtype "
+                                          f"{self.kv_cache_dtype!r} (its scores are computed over float K/V)")
 
     def _check_quantized_kv(self) -> None:
         quantized = self.kv_cache_dtype in QUANTIZED_KV
@@ -152,7 +161,7 @@ class EngineArgs:
         """The KV policy with its options (`engine/kv_policy.KVPolicyConfig`)."""
         from turbollm.engine.kv_policy import KVPolicyConfig
 
-        return KVPolicyConfig(self.kv_policy, self.attention_sinks, self.kv_window)
+        return KVPolicyConfig(self.kv_policy, self.attention_sinks, self.kv_window, self.kv_budget)
 
     def kv_torch_dtype(self, quantization: str | None = None):
         """The K/V storage dtype for a model loaded with linear method `quantization`."""

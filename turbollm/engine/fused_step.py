@@ -58,6 +58,7 @@ class FusedDecodeStep:
         self.rope_tables: list = []  # each layer's cos table the step holds (RoPE growth replaces them)
         self.quantized = False
         self.steps = 0  # steps run fused
+        self.key_mass = False  # whether the built step has an eviction policy's key-mass output set
         self.unavailable: str | None = None  # why this model cannot take the step (logged once)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, start: int = 0, end: int | None = None,
@@ -97,6 +98,12 @@ class FusedDecodeStep:
         lens = meta.derived("decode_lens", lambda: torch.tensor(meta.seq_lens))
         starts = None if meta.is_pure_decode else meta.derived("query_start_loc",
                                                                lambda: torch.tensor(meta.query_start_loc))
+        km = meta.key_mass  # an eviction policy's scores: each layer adds its attention mass per table entry
+        if km is not None or self.key_mass:
+            self.step.set_key_mass(None if km is None else meta.derived("key_mass_first",
+                                                                        lambda: torch.tensor(km.first_rows)),
+                                   None if km is None else km.out)
+            self.key_mass = km is not None
         self.steps += 1
         n = len(layers)
         end = n if end is None else end
@@ -136,6 +143,7 @@ class FusedDecodeStep:
             logger.info("turbollm: fused decode step not used for this model (%s); decoding through the modules", reason)
             return
         step = kernels.DecodeStep()
+        self.key_mass = False
         try:
             for spec in specs:
                 step.add_layer(spec)

@@ -13,14 +13,21 @@ spec (KV dtype, layout, window), so a new sequence can start from the longest pr
 group still holds (always leaving one token to compute) — a sliding-window group only the blocks
 its window still sees from there, its older entries `NULL_BLOCK`. A block shared with another
 sequence (n > 1 siblings) is copied before a sequence writes into it, in every group.
+
+Under an attention-score eviction policy (`kv_eviction.py`) a sequence's table is compacted as
+blocks are evicted (`evict`): it lists the kept blocks in order, and position p of the blocks after
+the last evicted one (where new tokens go) is at entry p // block_size - evicted_blocks. An evicted
+sequence's blocks are no longer indexed in the prefix cache.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool, CacheStats, hash_block
 from turbollm.engine.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from turbollm.engine.kv_eviction import SCORERS, EvictionSpec, choose_evictions
 from turbollm.engine.sequence import Sequence
 
 
@@ -40,6 +47,9 @@ class KVCacheManager:
         self.ring_bytes = ring_bytes  # a quantized format: one sequence's float16 rings of recent tokens
         self.holding: set[int] = set()  # sequences with blocks (each with a ring, when there are rings)
         self.peak_bytes = 0  # the most K/V bytes in use at once since start (`note_usage`)
+        # attention-score eviction: the policy's spec (its groups all evict alike; None: no eviction)
+        self.eviction = next((s for s in self.specs if isinstance(s, EvictionSpec)), None)
+        self.num_evicted_blocks = 0  # blocks evicted since start (every group's count once)
         self.stats = CacheStats()
         for p in pools:
             p.stats = self.stats  # evictions from every group land in one set of counters
@@ -99,7 +109,7 @@ class KVCacheManager:
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks each group needs for `num_new` more tokens (the same in every group)."""
         total = seq.num_computed_tokens + num_new
-        return max(0, -(-total // self.block_size) - len(self.tables(seq)[0]))
+        return max(0, -(-total // self.block_size) - seq.evicted_blocks - len(self.tables(seq)[0]))
 
     def grow(self, seq: Sequence, num_new: int) -> None:
         self.holding.add(seq.seq_id)
@@ -131,7 +141,7 @@ class KVCacheManager:
     def shared_write_block(self, seq: Sequence) -> int | None:
         """Position in the tables of the block `seq` writes next, if another sequence shares it (forks share
         the same positions in every group)."""
-        idx = seq.num_computed_tokens // self.block_size
+        idx = seq.num_computed_tokens // self.block_size - seq.evicted_blocks
         for pool, table in zip(self.pools, self.tables(seq)):
             if idx < len(table) and table[idx] != NULL_BLOCK and pool.ref_counts[table[idx]] > 1:
                 return idx
@@ -156,6 +166,8 @@ class KVCacheManager:
         self.holding.add(child.seq_id)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
+        child.evicted_blocks = parent.evicted_blocks
+        child.kv_score_state = copy.deepcopy(parent.kv_score_state)
         for pool, table in zip(self.pools, child.block_tables):
             for b in table:
                 pool.touch(b)
@@ -167,6 +179,36 @@ class KVCacheManager:
         seq.block_tables = []
         seq.num_cached_blocks = 0
         seq.num_blocks_sent = 0
+        seq.evicted_blocks, seq.kv_score_state, seq.pending_evictions = 0, None, []
+
+    # ---------------------------------------------------------------- attention-score eviction
+    def observe_scores(self, seq: Sequence, rows: int, mass: list[float]) -> None:
+        """A step's attention mass per table entry of `seq` (`rows` query rows counted), for its scorer."""
+        if self.eviction is not None:
+            seq.kv_score_state = SCORERS[self.eviction.score].observe(seq.kv_score_state, mass, rows)
+
+    def evict(self, seq: Sequence) -> list[int]:
+        """Release the lowest-scored blocks of `seq` beyond its budget (never its newest `recent` tokens);
+        returns the table positions removed, descending (the workers delete them in this order)."""
+        spec = self.eviction
+        if spec is None or not seq.block_tables:
+            return []
+        tables, bs = self.tables(seq), self.block_size
+        scorer = SCORERS[spec.score]
+        protected_from = max(0, (seq.num_computed_tokens - spec.recent) // bs - seq.evicted_blocks)
+        gone = choose_evictions(scorer.scores(seq.kv_score_state, len(tables[0])), len(tables[0]), protected_from,
+                                spec.budget_blocks)
+        if not gone:
+            return []
+        for pool, table in zip(self.pools, tables):
+            for i in gone:  # descending: each deletion leaves the positions still to delete in place
+                pool.release([table[i]])
+                del table[i]
+        scorer.remove(seq.kv_score_state, gone)
+        seq.evicted_blocks += len(gone)
+        seq.num_blocks_sent -= sum(1 for i in gone if i < seq.num_blocks_sent)
+        self.num_evicted_blocks += len(gone)
+        return gone
 
     # ---------------------------------------------------------------- prefix cache
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -257,7 +299,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step: index the sequence's newly full blocks in each group's prefix cache."""
-        if not self.enable_caching:
+        if not self.enable_caching or seq.evicted_blocks:
             return
         tables = self.tables(seq)
         ready = min(spec.cacheable_tokens(seq.num_computed_tokens) if spec else seq.num_computed_tokens

@@ -45,6 +45,17 @@ class KVCacheSpec:
         """Whether a sequence's blocks before `first_needed_position` go back to the pool."""
         return False
 
+    @property
+    def bounded(self) -> bool:
+        """Whether a sequence holds at most `max_blocks` blocks whatever its length (released or evicted)."""
+        return self.releases_blocks
+
+    @property
+    def score_rows(self) -> int:
+        """How many of a step's last query rows per sequence count toward the attention scores of its
+        blocks (0: no scores; an eviction policy's `engine/kv_eviction.py`)."""
+        return 0
+
     def first_needed_position(self, num_computed: int) -> int:
         """The oldest position past the kept prefix (`kept_blocks`) that the next new token (at
         `num_computed`) can still attend to."""
@@ -192,9 +203,14 @@ class KVCacheConfig:
     def num_tokens(self) -> int | None:
         """The most tokens one sequence can hold (the groups that keep every block bound it); None when
         every group releases blocks (a sequence of any length holds at most each group's cap)."""
-        if all(g.spec.releases_blocks for g in self.groups):
+        if all(g.spec.bounded for g in self.groups):
             return None
         return self.num_blocks * self.block_size
+
+    @property
+    def score_rows(self) -> int:
+        """Query rows per sequence and step whose attention scores its blocks (0: none; `KVCacheSpec.score_rows`)."""
+        return max(g.spec.score_rows for g in self.groups)
 
     @property
     def group_attention(self) -> list[tuple[int | None, int]]:

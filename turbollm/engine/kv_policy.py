@@ -14,6 +14,9 @@ through the core.
   last `window`, releasing the blocks between them (a model's own sliding layers keep their window,
   or the policy's when that is shorter), so a sequence of any length runs at flat memory and past
   the model's trained context; `sinks=0` is the window-only baseline.
+- "h2o" / "snapkv" (attention-score eviction, `engine/kv_eviction.py`): each sequence keeps at most
+  `budget` tokens, its least-attended blocks released after each step (H2O: attention accumulated
+  from every query; SnapKV: from the last 32 queries); full-attention models only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable
 
 from turbollm.attention.kv_storage import KVLayout
 from turbollm.engine.kv_cache_spec import DEFAULT_ATTENTION_SINKS, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
+from turbollm.engine.kv_eviction import SCORERS, EvictionSpec
 from turbollm.errors import InvalidRequestError
 
 
@@ -33,6 +37,7 @@ class KVPolicyConfig:
     name: str = "auto"
     sinks: int | None = None  # attention sinks (streaming; default DEFAULT_ATTENTION_SINKS)
     window: int | None = None  # tokens each layer keeps besides the sinks (streaming; required)
+    budget: int | None = None  # tokens each sequence keeps (h2o, snapkv; required)
 
     @property
     def sink_count(self) -> int:
@@ -49,12 +54,13 @@ class KVPolicy:
     releases_all: bool = False  # every group releases blocks: sequences may outgrow the trained context
     check: Callable[[KVPolicyConfig, int], None] | None = None  # (options, block size): bad options raise
     lossless: bool = True  # attends to what the model attends to (only memory differs)
+    evicts: bool = False  # drops K/V by attention score: no prefix caching, no speculation, float K/V only
 
 
 KV_POLICIES: dict[str, KVPolicy] = {}
 
 # the engine-argument name of each option, for error messages
-OPTION_FLAGS = {"sinks": "attention_sinks", "window": "kv_window"}
+OPTION_FLAGS = {"sinks": "attention_sinks", "window": "kv_window", "budget": "kv_budget"}
 
 
 def register_kv_policy(policy: KVPolicy) -> KVPolicy:
@@ -101,6 +107,27 @@ def _check_streaming(options: KVPolicyConfig, block_size: int) -> None:
                                   f"at least attention_sinks ({sinks})")
 
 
+def _eviction_spec(score: str) -> Callable[[KVLayout, int | None, KVPolicyConfig], KVCacheSpec]:
+    def spec(layout: KVLayout, window: int | None, options: KVPolicyConfig) -> KVCacheSpec:
+        if window is not None:
+            raise InvalidRequestError(f"kv_policy {score!r} evicts from full-attention layers only; this model has "
+                                      f"{window}-token sliding-window layers (use kv_policy 'auto' or 'streaming')")
+        return EvictionSpec(layout, budget=options.budget, score=score)
+    return spec
+
+
+def _check_eviction(score: str) -> Callable[[KVPolicyConfig, int], None]:
+    def check(options: KVPolicyConfig, block_size: int) -> None:
+        if options.budget is None:
+            raise InvalidRequestError(f"kv_policy {score!r} needs kv_budget (the tokens each sequence keeps)")
+        recent = SCORERS[score].recent(options.budget, block_size)
+        if options.budget < 2 * block_size or options.budget // block_size * block_size <= recent:
+            raise InvalidRequestError(f"kv_budget {options.budget} must be at least two blocks ({2 * block_size} "
+                                      f"tokens) and more than the {recent} recent tokens kv_policy {score!r} "
+                                      "always keeps, plus a block")
+    return check
+
+
 register_kv_policy(KVPolicy(
     "auto", "sliding-window layers release the blocks their window has passed; other layers keep every block",
     lambda layout, window, options: _own(layout, window)))
@@ -111,3 +138,11 @@ register_kv_policy(KVPolicy(
     "streaming", "attention sinks + a window (StreamingLLM): each layer keeps the first attention_sinks tokens and "
                  "the last kv_window, at flat memory for any length",
     _streaming_spec, options=("sinks", "window"), releases_all=True, check=_check_streaming, lossless=False))
+register_kv_policy(KVPolicy(
+    "h2o", "attention-score eviction (H2O): each sequence keeps kv_budget tokens, the newest half and the blocks "
+           "with the most attention accumulated from every query", _eviction_spec("h2o"), options=("budget",),
+    check=_check_eviction("h2o"), lossless=False, evicts=True))
+register_kv_policy(KVPolicy(
+    "snapkv", "attention-score eviction (SnapKV): each sequence keeps kv_budget tokens, the newest 32 and the blocks "
+              "the last 32 queries attend to most", _eviction_spec("snapkv"), options=("budget",),
+    check=_check_eviction("snapkv"), lossless=False, evicts=True))

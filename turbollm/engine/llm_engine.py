@@ -61,6 +61,9 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":  # a draft that cannot serve fails before any load
             check_draft_model(spec.model, loaded or describe_model(args.model, quantization=args.quantization),
                               spec.quantization)
+        if loaded is None and get_kv_policy(args.kv_policy).evicts:  # a model it cannot take fails before loading
+            KVCacheConfig.for_model(describe_model(args.model, quantization=args.quantization).config, 1,
+                                    args.block_size, policy=args.kv_policy_config())
         if args.distributed_executor_backend == "uni":
             if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
                 torch.set_num_threads(args.threads)
@@ -92,20 +95,23 @@ class LLMEngine:
         self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt,
                                                    policy, args.max_num_seqs, self._batched_tokens(args),
                                                    spec_tokens, args.kv_recent_window or 0)
-        self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=args.enable_prefix_caching)
+        evicts = get_kv_policy(policy.name).evicts  # an evicted table no longer matches its prompt's block keys
+        caching = args.enable_prefix_caching and not evicts
+        self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=caching)
         held = self.kv_config.num_tokens
         logger.info("KV cache: %s, %.0f MiB (%s; %s; prefix caching %s)",
                     f"{self.kv_config.num_blocks} blocks of {args.block_size} tokens = {held} tokens" if held
-                    else "sequences of any length at flat memory", self.kv_config.total_bytes / (1 << 20),
+                    else "sequences of any length at flat memory" if get_kv_policy(policy.name).releases_all
+                    else "each sequence within its budget", self.kv_config.total_bytes / (1 << 20),
                     self.kv_config.format_name, self.kv_config.describe(),
-                    "on" if args.enable_prefix_caching else "off")
+                    "on" if caching else f"off: kv_policy {policy.name!r} evicts" if evicts else "off")
         if self.kv_config.recent_slots and held is not None:
             float16 = KVCacheConfig.for_model(self.config, 1, args.block_size, torch.float16).bytes_per_token
             logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "
                         "the tokens float16 K/V would hold in the same budget", args.kv_cache_dtype,
                         self.kv_config.bytes_per_token, args.kv_recent_window, self.kv_config.recent_slots,
                         float16 * self.kv_config.num_tokens / max(1, self.kv_config.total_bytes))
-        self._check_one_sequence_fits(args, spec_tokens)
+        self._check_one_sequence_fits(args, spec_tokens, model_len)
         if held is not None and model_len > held:
             # One sequence must always fit the pool alone, or it would preempt itself forever.
             logger.warning("max_model_len %d is more than the KV cache holds: capped to %d tokens (raise "
@@ -128,11 +134,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
 
-    def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int) -> None:
+    def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int, model_len: int) -> None:
         """A group that releases blocks must hold one sequence's window alone (else a long sequence would
-        preempt itself forever); a group that keeps every block bounds max_model_len instead."""
+        preempt itself forever), or its whole context when that is shorter; a group that keeps every block
+        bounds max_model_len instead."""
         for g, group in enumerate(self.kv_config.groups):
             need = group.spec.max_blocks(1, self._batched_tokens(args), spec_tokens)
+            if need is not None:
+                need = min(need, -(-model_len // args.block_size) + 1)
             if need is not None and self.kv_config.blocks_of(g) < need and self.kv_config.num_tokens is None:
                 raise InvalidRequestError(
                     f"kv_cache_memory holds {self.kv_config.blocks_of(g)} blocks for the {group.spec.kind} layers but "
@@ -212,7 +221,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float | int | list[int]]:
         """Engine counters: requests, KV blocks and bytes (in use, peak, allocated), prefix cache (tokens),
-        preemptions; with speculation,
+        preemptions, blocks evicted by an attention-score policy; with speculation,
         its counters (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`, and
         `spec_decode_accepted_per_pos`: drafts accepted at each position)."""
         pool, sched = self.kv_manager, self.scheduler
@@ -223,7 +232,7 @@ class LLMEngine:
             "kv_cache_bytes_peak": pool.peak_bytes, "kv_cache_bytes_total": self.kv_config.total_bytes,
             "prefix_cache_queries": pool.stats.queries,
             "prefix_cache_hits": pool.stats.hits, "prefix_cache_evictions": pool.stats.evictions,
-            "num_preemptions": sched.num_preemptions,
+            "num_preemptions": sched.num_preemptions, "kv_evicted_blocks": pool.num_evicted_blocks,
             **(self._spec_stats() if sched.proposer is not None else {}),
         }
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from turbollm.attention import AttentionBackend, AttentionMetadata
+from turbollm.attention.key_mass import KeyMass
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.engine.fused_step import FusedDecodeStep
 from turbollm.engine.kv_recent import RecentRings
@@ -41,6 +42,7 @@ class SeqState(SamplingRow):
     ring_slot: int = -1  # a quantized K/V format: its ring of recent tokens (engine/kv_recent.py)
     kv_qlo: int = 0  # ... where its quantized K/V end
     ring_floor: int = 0  # ... and below which its ring holds nothing
+    evicted_blocks: int = 0  # attention-score eviction: blocks removed from its tables (engine/kv_eviction.py)
 
 
 def _generator(params, index: int) -> torch.Generator | None:
@@ -51,13 +53,15 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None,
                  layer_groups: list[int] | None = None, hooks: LayerHooks | None = None,
-                 group_attention: list[tuple[int | None, int]] | None = None, recent_slots: int = 0):
+                 group_attention: list[tuple[int | None, int]] | None = None, recent_slots: int = 0,
+                 score_rows: int = 0):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
         self.num_groups = max(self.layer_groups) + 1
         # per group, the (window, sinks) its KV policy sets (KVCacheConfig.group_attention)
         self.group_attention = group_attention or [(None, 0)] * self.num_groups
         self.hooks = hooks
+        self.score_rows = score_rows  # an eviction policy: each sequence's last rows whose attention is scored
         # decode steps and steps of a few tokens may run their layers in one C++ call (None: always the modules)
         self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks) if fused_decode else None
         self.sampler = Sampler(seed)
@@ -75,7 +79,7 @@ class ModelRunner:
             st = self.states.get(sid)
             if st is not None:
                 st.block_ids = tuple([] for _ in st.block_ids)
-                st.num_computed_tokens = 0
+                st.num_computed_tokens = st.evicted_blocks = 0
                 if self.rings is not None:
                     self.rings.give_back(st)
         for new in sched.new_reqs:
@@ -84,9 +88,14 @@ class ModelRunner:
                 self.rings.take(st)
         for c in sched.cached_reqs:
             st = self.states[c.seq_id]
+            for pos in c.evicted_positions:  # before the new blocks: positions in the table as it was
+                for ids in st.block_ids:
+                    del ids[pos]
+            st.evicted_blocks += len(c.evicted_positions)
             for group, (ids, added) in enumerate(zip(st.block_ids, c.new_block_ids)):
                 if c.resumed_from_preemption:
                     ids.clear()
+                    st.evicted_blocks = 0
                 ids.extend(added)
             for group, pairs in enumerate(c.replaced_block_ids):
                 for pos, block in pairs:
@@ -115,7 +124,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
-        ids, pos, qsl, seq_lens = [], [], [0], []
+        ids, pos, qsl, seq_lens, scored = [], [], [0], [], []
         groups = range(self.num_groups)
         slots: list[list[int]] = [[] for _ in groups]
         tables: list[list[list[int]]] = [[] for _ in groups]
@@ -125,20 +134,26 @@ class ModelRunner:
             c, n = st.num_computed_tokens, len(tokens)
             ids.extend(tokens)
             pos.extend(range(c, c + n))
+            e = st.evicted_blocks  # evicted blocks: the table (and the context attention sees) starts later
             for g in groups:
                 table = st.block_ids[g]
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+                slots[g].extend(table[p // bs - e] * bs + p % bs for p in range(c, c + n))
                 tables[g].append(table)
+            scored.append(qsl[-1] + max(0, n - self.score_rows))
             qsl.append(qsl[-1] + n)
-            seq_lens.append(c + n)
+            seq_lens.append(c + n - e * bs)
         metas = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.int64), qsl, seq_lens, _table_tensor(tables[g]),
                                    bs, *self.group_attention[g]) for g in groups]
         if self.rings is not None:
             step = [self.states[sid] for sid in sched.scheduled_token_ids]
             for meta, recent in zip(metas, self.rings.meta(step, [len(t) for t in sched.scheduled_token_ids.values()])):
                 meta.recent = recent
+        if self.score_rows:
+            mass = KeyMass(scored, torch.zeros(len(seq_lens), max(len(t) for t in tables[0])))
+            for meta in metas:
+                meta.key_mass = mass
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), metas[0],
-                            self.kv_caches, self.backend, max_position=max(seq_lens) - 1,
+                            self.kv_caches, self.backend, max_position=max(pos),
                             layer_attn=[metas[g] for g in self.layer_groups] if self.num_groups > 1 else None,
                             hooks=self.hooks)
 
@@ -169,6 +184,10 @@ class ModelRunner:
         batch = self.prepare(sched)
         hidden = self.run_model(batch)
         qsl = batch.attn.query_start_loc
+        if batch.attn.key_mass is not None:  # each sequence's attention mass per table entry, for its eviction
+            km = batch.attn.key_mass
+            for i, sid in enumerate(sched.scheduled_token_ids):
+                out.kv_scores[sid] = (qsl[i + 1] - km.first_rows[i], km.out[i, :len(self.states[sid].block_ids[0])].tolist())
         sample_rows, rows, prompt_rows = [], [], {}
         verify, verify_rows = [], []  # (state, drafts) of speculating sequences, and their hidden rows
         for i, (sid, tokens) in enumerate(sched.scheduled_token_ids.items()):

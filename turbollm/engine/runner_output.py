@@ -36,3 +36,6 @@ class ModelRunnerOutput:
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why sampling it failed
+    # attention-score eviction: seq_id -> (query rows counted, the attention mass each table entry got
+    # this step, summed over layers, heads and those rows)
+    kv_scores: dict[int, tuple[int, list[float]]] = field(default_factory=dict)

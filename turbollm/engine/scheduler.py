@@ -21,7 +21,8 @@ take their `max_num_seqs` slots when the prompt is admitted.
 `schedule()` returns plain data (`scheduler_output.py`): what the workers do not know yet of
 each scheduled sequence, and the token ids each computes. `update_from_output()` takes the
 workers' sampled tokens back: it advances the counters, indexes newly full blocks in the prefix
-cache, forks n > 1 siblings off a prompt at its first sample, and applies the token-level stop
+cache, forks n > 1 siblings off a prompt at its first sample, passes the attention scores of an
+eviction policy to the KV-cache manager (which may evict blocks), and applies the token-level stop
 rules (end tokens after `min_tokens`, `max_tokens`, the context); stop strings, which need the
 text, are the output processor's. Blocks and the prefix cache are `KVCacheManager`'s.
 """
@@ -226,8 +227,9 @@ class Scheduler:
                     changed[group].append((i, tables[group][i]))
             out.cached_reqs.append(CachedRequestData(
                 seq.seq_id, tuple(t[sent:] for t in tables), c, seq.seq_id in self._resumed,
-                changed if replaced else ()))
+                changed if replaced else (), seq.pending_evictions))
             self._resumed.discard(seq.seq_id)
+            seq.pending_evictions = []
         seq.num_blocks_sent = len(tables[0])
         out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
         if c + n == seq.num_tokens and seq.pending_forks:
@@ -361,6 +363,12 @@ class Scheduler:
                     break
             if sid in sched.spec_token_ids and not seq.is_finished:
                 self.kv.cache_computed_blocks(seq)
+        for sid, (rows, mass) in out.kv_scores.items():  # attention-score eviction, once the counters moved
+            # (siblings forked this step share the sequence's table and scores, and then evict on their own)
+            for seq in [self.seqs.get(sid)] + [self.seqs.get(f.seq_id) for f in sched.forks.get(sid, ())]:
+                if seq is not None and seq.block_tables:
+                    self.kv.observe_scores(seq, rows, mass)
+                    seq.pending_evictions.extend(self.kv.evict(seq))
         result.updates = list(updates.values())
         return result
 

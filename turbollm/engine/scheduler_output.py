@@ -45,6 +45,10 @@ class CachedRequestData:
     # per group: (position in the table, new block id), applied before the step: a copy-on-write
     # copy, or NULL_BLOCK for a block released out of a sliding window
     replaced_block_ids: tuple[list[tuple[int, int]], ...] = ()
+    # attention-score eviction: table positions removed since the last step, deleted one after another
+    # (every group's table) before new blocks are appended; the sequence's table then starts that many
+    # blocks later (`engine/kv_eviction.py`)
+    evicted_positions: list[int] = field(default_factory=list)
 
 
 @dataclass

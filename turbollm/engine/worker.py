@@ -32,7 +32,8 @@ class Worker:
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config), args.block_size,
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                                   seed=args.seed, layer_groups=kv_config.layer_groups,
-                                  group_attention=kv_config.group_attention, recent_slots=kv_config.recent_slots)
+                                  group_attention=kv_config.group_attention, recent_slots=kv_config.recent_slots,
+                                  score_rows=kv_config.score_rows)
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""

@@ -7,7 +7,8 @@ policy or K/V format keeps or drops is what gets scored:
   concatenated), with `prompt_logprobs=0`, so the engine returns log p(token i | tokens < i) for every
   position as its chunked prefill goes (a policy that releases or evicts K/V does so between chunks,
   as it would while serving). Reported: perplexity over every scored token and by position bucket,
-  and the K/V memory (peak bytes in use, and per token of context).
+  and the K/V memory (peak bytes in use, and per token of context). Several consecutive segments of
+  the text, each its own request, are pooled position by position (`merge_segments`).
 - `passkey`: a number hidden at a chosen depth of filler text, asked for at the end; greedy
   decoding must produce it. Accuracy by context length and depth, over `trials` random keys each.
   The filler is our own plain sentences, repeated; the key line and the question follow the
@@ -70,6 +71,13 @@ def stream_score(llm, ids: list[int]) -> StreamResult:
     for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
         nll.append(-entry[ids[pos]].logprob)
     return StreamResult(len(nll), nll, engine.kv_manager.peak_bytes, engine.kv_config.total_bytes)
+
+
+def merge_segments(results: list[StreamResult]) -> StreamResult:
+    """Several streams of the same length (consecutive segments of the text) as one: each position's
+    -log p averaged over the segments (so the perplexity is over every scored token), the largest peak."""
+    nll = [sum(col) / len(col) for col in zip(*(r.nll for r in results))]
+    return StreamResult(results[0].tokens, nll, max(r.peak_kv_bytes for r in results), results[0].kv_pool_bytes)
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:

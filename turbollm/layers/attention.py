@@ -29,7 +29,10 @@ class Attention(nn.Module):
         if meta.sinks:
             return backend.forward(q, k_cache, v_cache, meta, self.scale, window, self.softcap,
                                    sinks=meta.sinks, q_sink=q_sink)
-        return backend.forward(q, k_cache, v_cache, meta, self.scale, window, self.softcap)
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale, window, self.softcap)
+        if meta.key_mass is not None:  # an eviction policy's scores: this layer's attention per cached block
+            backend.key_mass(q, k_cache, meta, self.scale, self.softcap)
+        return out
 
 
 def sink_positions(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -47,7 +47,8 @@ class _EngineCollector:
                 yield g
         counters = [("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-                    ("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.")]
+                    ("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks."),
+                    ("kv_evicted_blocks", "KV blocks evicted by an attention-score policy (h2o, snapkv).")]
         spec = "spec_decode_num_drafts" in s  # speculative decoding on: vLLM's spec_decode counters too
         if spec:
             counters += [("spec_decode_num_drafts", "Verification steps of speculating sequences."),

@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
         pybind11::arg("sinks") = 0, pybind11::arg("q_sink") = pybind11::none());
+  m.def("paged_key_mass", &paged_key_mass, "add each table entry's attention mass (softmax over heads and the rows "
+        "from first_rows) into out [B, width] (attention-score eviction)");
   m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots");
   m.def("paged_write_kv_quant", &paged_write_kv_quant, "quantized K/V: quantize the blocks leaving the recent "
         "window, store the newest tokens in the sequences' float16 rings");

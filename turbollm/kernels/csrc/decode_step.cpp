@@ -172,6 +172,15 @@ class DecodeStep {
   // Per KV-cache group, the window its KV policy sets (-1: each layer's own) and its attention sinks
   // (0: none; StreamingLLM): a sink layer scores the sinks with its queries rotated to
   // min(p, sinks + window - 1), as attention/backend.py's sinks do.
+  // An attention-score eviction policy's step (attention/key_mass.py): per sequence the first row whose
+  // attention counts, and the [B, width] mass per table entry each layer adds to; None: no scores.
+  void set_key_mass(c10::optional<torch::Tensor> first_rows, c10::optional<torch::Tensor> out) {
+    TORCH_CHECK(first_rows.has_value() == out.has_value(), "decode step: key mass needs both first rows and out");
+    TORCH_CHECK(!out || qkv_.empty(), "decode step: key mass over quantized K/V is not built");
+    mass_first_ = first_rows;
+    mass_out_ = out;
+  }
+
   void set_group_attention(std::vector<int64_t> windows, std::vector<int64_t> sinks) {
     TORCH_CHECK(windows.size() == sinks.size(), "decode step: one window and one sink count per group");
     for (size_t g = 0; g < sinks.size(); ++g)
@@ -271,6 +280,10 @@ class DecodeStep {
                                : paged_decode_attention(rows_contiguous(q), k_[i], v_[i], block_tables[g], seq_lens,
                                                         L.scale, window, L.softcap, query_start_loc, sinks, q_sink))
                             .reshape({B, -1});
+      if (mass_out_)  // an eviction policy's scores: this layer's attention mass per table entry
+        paged_key_mass(rows_contiguous(q), k_[i], block_tables[g],
+                       query_start_loc ? *query_start_loc : torch::arange(B + 1, torch::kInt64), seq_lens,
+                       *mass_first_, L.scale, L.softcap, *mass_out_);
       }
       torch::Tensor o = L.o(a, levels);
       call_hook(attn_out_, i, o);
@@ -300,6 +313,7 @@ class DecodeStep {
   std::vector<int64_t> group_window_, group_sinks_;  // per KV-cache group (empty: the layers' own, no sinks)
   std::vector<std::vector<torch::Tensor>> qkv_;  // a quantized format's storage per layer (empty: float K/V)
   int64_t ring_blocks_ = 0, bits_ = 0;
+  c10::optional<torch::Tensor> mass_first_, mass_out_;  // an eviction policy's step: key mass (set_key_mass)
 };
 
 }  // namespace
@@ -311,6 +325,8 @@ void bind_decode_step(py::module_& m) {
       .def("set_kv_caches", &DecodeStep::set_kv_caches, "the paged K and V storage and the KV group of every layer")
       .def("set_quant_kv", &DecodeStep::set_quant_kv,
            "a quantized K/V format: per layer its integers, scales and rings; ring blocks per slot; bits")
+      .def("set_key_mass", &DecodeStep::set_key_mass, "per sequence the first counted row and the [B, width] "
+           "attention mass per table entry each layer adds to (None, None: no scores)")
       .def("set_group_attention", &DecodeStep::set_group_attention,
            "per KV-cache group, its policy's window (-1: the layers' own) and attention sinks")
       .def("set_hooks", &DecodeStep::set_hooks, "callables (layer, tensor) after attention and MLP outputs, or None")

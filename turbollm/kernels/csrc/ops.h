@@ -20,6 +20,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t window, double softcap, c10::optional<torch::Tensor> query_start_loc,
                                      int64_t sinks = 0, c10::optional<torch::Tensor> q_sink = c10::nullopt);
+// key_mass.cpp: the attention mass each block-table entry gets (attention-score eviction)
+void paged_key_mass(torch::Tensor q, torch::Tensor k_cache, torch::Tensor block_tables, torch::Tensor query_start_loc,
+                    torch::Tensor seq_lens, torch::Tensor first_rows, double scale, double softcap, torch::Tensor out);
 void paged_write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
