@@ -118,7 +118,7 @@ def test_a_worker_that_fails_a_step_is_reported_and_keeps_serving(tiny):
 def test_a_dead_worker_is_named_within_seconds(tiny):
     engine = LLMEngine(EngineArgs(model=tiny, threads=1, distributed_executor_backend="mp"))
     try:
-        os.kill(engine.executor._proc.pid, signal.SIGKILL)
+        os.kill(engine.executor._procs[0].pid, signal.SIGKILL)
         engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), "r")
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"worker 0 \(pid \d+\) was killed by signal 9 while"):
@@ -150,9 +150,9 @@ def test_ctrl_c_in_the_terminal_does_not_kill_the_worker(tiny):
     """Before: SIGINT (Ctrl-C reaches the whole process group) killed the worker process."""
     engine = LLMEngine(EngineArgs(model=tiny, threads=1, distributed_executor_backend="mp"))
     try:
-        os.kill(engine.executor._proc.pid, signal.SIGINT)
+        os.kill(engine.executor._procs[0].pid, signal.SIGINT)
         time.sleep(0.5)
-        assert engine.executor._proc.is_alive() and len(_generate(engine)) == 3
+        assert engine.executor._procs[0].is_alive() and len(_generate(engine)) == 3
     finally:
         engine.shutdown()
 
@@ -164,7 +164,7 @@ def test_a_reply_the_engine_stopped_waiting_for_is_dropped(tiny):
     try:
         ex = engine.executor
         ex._step += 1
-        ex._conn.send(("execute", ex._step, SchedulerOutput()))  # sent, its reply never read
+        ex._conns[0].send(("execute", ex._step, SchedulerOutput()))  # sent, its reply never read
         want = LLMEngine(EngineArgs(model=tiny, threads=1))
         assert _generate(engine, 5) == _generate(want, 5)
     finally:
@@ -181,7 +181,7 @@ def test_a_dead_worker_stops_the_async_engine(tiny):
     aengine = AsyncLLMEngine(engine)
 
     async def go():
-        os.kill(engine.executor._proc.pid, signal.SIGKILL)
+        os.kill(engine.executor._procs[0].pid, signal.SIGKILL)
         with pytest.raises((EngineStepError, EngineDeadError), match="worker 0"):
             async for _ in aengine.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3)):
                 pass

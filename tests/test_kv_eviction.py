@@ -139,6 +139,17 @@ def test_fused_step_equals_the_modules(tiny_llama):
         [next(iter(d.values())).logprob for d in outs[1].logprobs]
 
 
+def test_one_sequence_engine_with_a_chunk_longer_than_its_context(tiny_llama):
+    """The default pool of a one-sequence engine (what eval uses) holds its whole context; the budget plus a
+    2048-token chunk would need more, and a sequence alone never needs more than its context (before: the
+    engine refused to start)."""
+    llm = LLM(str(tiny_llama), kv_policy="h2o", kv_budget=64, max_num_seqs=1, max_model_len=128,
+              max_num_batched_tokens=2048)
+    out = llm.generate([{"prompt_token_ids": list(range(4, 110))}], SamplingParams(max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8 and llm.engine.kv_manager.num_evicted_blocks > 0
+
+
 def test_budget_above_the_length_changes_nothing(tiny_llama):
     prompt = [int(t) for t in torch.randint(4, 90, (70,), generator=torch.Generator().manual_seed(1))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)

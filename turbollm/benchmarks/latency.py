@@ -48,6 +48,7 @@ def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
         rid = engine.add_request({"prompt_token_ids": ids}, params)
         counts[rid], lengths[rid] = 0, len(ids)
     ttft, prefill_steps, decode_steps, decode_tokens, contexts = None, 0, [], 0, []
+    comm = [engine.executor.comm_stats()]  # tensor parallelism: each rank's collectives, at the phase ends
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         outs = engine.step()
@@ -64,14 +65,42 @@ def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
             prefill_steps += 1
             if all(counts.values()):
                 ttft = te - t0
+                comm.append(engine.executor.comm_stats())
         elif new:
             decode_steps.append(te - ts)
             decode_tokens += new
             contexts.append(ctx)
     if any(n != output_len for n in counts.values()):
         raise BenchmarkError(f"requests generated {sorted(set(counts.values()))} tokens instead of {output_len}")
+    e2e = time.perf_counter() - t0
+    comm.append(engine.executor.comm_stats())
     return {"ttft": ttft, "prefill_steps": prefill_steps, "decode_steps": decode_steps,
-            "decode_tokens": decode_tokens, "e2e": time.perf_counter() - t0, "contexts": contexts}
+            "decode_tokens": decode_tokens, "e2e": e2e, "contexts": contexts,
+            "comm": None if comm[0] is None else comm}
+
+
+def _collectives(iters: list[dict]) -> dict | None:
+    """Time in collectives per rank (the slowest rank's), per prefill and per decode step, beside the step
+    times: what tensor parallelism spends talking instead of computing."""
+    if iters[0]["comm"] is None:
+        return None
+
+    def delta(r: dict, a: int, b: int, key: str) -> list[float]:
+        return [y[key] - x[key] for x, y in zip(r["comm"][a], r["comm"][b])]
+
+    prefill = [max(delta(r, 0, 1, "seconds")) for r in iters]
+    decode = [max(delta(r, 1, 2, "seconds")) for r in iters]
+    steps = sum(len(r["decode_steps"]) for r in iters)
+    decode_time = sum(sum(r["decode_steps"]) for r in iters)
+    calls = sum(delta(r, 1, 2, "calls")[0] for r in iters)
+    nbytes = sum(delta(r, 1, 2, "bytes")[0] for r in iters)
+    return {"ranks": len(iters[0]["comm"][0]),
+            "prefill_collective_ms": round(1000 * statistics.mean(prefill), 2),
+            "prefill_collective_share": round(sum(prefill) / sum(r["ttft"] for r in iters), 3),
+            "decode_collective_ms_per_step": round(1000 * sum(decode) / steps, 3),
+            "decode_collective_share": round(sum(decode) / decode_time, 3),
+            "decode_collectives_per_step": round(calls / steps, 1),
+            "decode_collective_bytes_per_step": round(nbytes / steps)}
 
 
 def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, output_len: int,
@@ -123,4 +152,7 @@ def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, 
     }
     if preempt0 is not None:
         out["preemptions"] = engine.scheduler.num_preemptions - preempt0
+    collectives = _collectives(iters)
+    if collectives is not None:
+        out["tensor_parallel"] = collectives
     return out

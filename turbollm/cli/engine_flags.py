@@ -68,6 +68,12 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                    help="quantized-matmul numerics: auto (default; 16-bit activations for small batches, "
                         "dequantize + fp32 sgemm for large), fast (llama.cpp's 8-bit activations: faster decode, "
                         "KL ~4e-3), or one path for every batch size (q8, q8x2, q16, dequant)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor parallelism: N worker processes on this host, each with 1/N of every weight and of "
+                        "the KV heads, joined over gloo (the cores split between them)")
+    p.add_argument("--tp-shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="tensor-parallel collectives through shared memory between the ranks (default: on; off: "
+                        "gloo over loopback for every collective)")
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data")
@@ -90,4 +96,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_sinks=ns.attention_sinks, kv_window=ns.kv_window, kv_recent_window=ns.kv_recent_window,
         kv_budget=ns.kv_budget,
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
+        tensor_parallel_size=ns.tensor_parallel_size, tp_shared_memory=ns.tp_shared_memory,
         speculative_config=getattr(ns, "speculative_config", None))

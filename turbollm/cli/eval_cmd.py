@@ -1,5 +1,6 @@
 """`turbollm eval parity` (logits and greedy output against transformers), `eval ppl` (eval_ppl_cmd.py; `--stream`
-in eval_long_cmd.py), `eval passkey` (eval_long_cmd.py) and `eval branches` (eval_branches_cmd.py)."""
+in eval_long_cmd.py), `eval passkey` (eval_long_cmd.py), `eval branches` (eval_branches_cmd.py) and `eval tp`
+(tensor parallelism against one process, turbollm/eval/tp_parity.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     add_ppl(esub)
     add_passkey(esub)
     add_branches(esub)
+    tp = esub.add_parser("tp", help="tensor parallelism against one process: the same greedy tokens (parity margin "
+                                    "rule) on the parity and HumanEval prompts, and each rank's weight bytes")
+    tp.add_argument("model", help="catalog name, GGUF file, HF folder or hub id")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    tp.add_argument("--quantization", default=None, help="weights' linear method (default: the checkpoint's)")
+    tp.add_argument("--num-prompts", type=int, default=32, help="HumanEval prompts besides the parity prompts")
+    tp.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    tp.add_argument("--data-dir", default=None, help="folder holding humaneval/ (default: ../shared/data)")
+    tp.add_argument("--threads", type=int, default=None, help="cores in all (split between the ranks)")
+    tp.add_argument("--json", default=None, help="write the report to this JSON file")
+    tp.set_defaults(func=run_tp_cmd)
 
 
 def run_parity_cmd(ns: argparse.Namespace) -> int:
@@ -49,3 +61,32 @@ def run_parity_cmd(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump(reports, f, indent=2)
     return 0 if all(r["ok"] for r in reports) else 1
+
+
+def run_tp_cmd(ns: argparse.Namespace) -> int:
+    from turbollm.benchmarks.spec_bench import humaneval_prompts
+    from turbollm.eval.parity import MARGIN
+    from turbollm.eval.prompts import PARITY_PROMPTS
+    from turbollm.eval.tp_parity import run_tp_parity
+
+    prompts = dict(PARITY_PROMPTS)
+    prompts.update({f"humaneval/{i}": p for i, p in enumerate(humaneval_prompts("humaneval", ns.data_dir,
+                                                                                 ns.num_prompts))})
+    rep = run_tp_parity(ns.model, prompts, ns.tensor_parallel_size, ns.max_tokens, ns.quantization, ns.threads)
+    d = rep.as_dict()
+    whole = rep.weight_bytes_whole
+    print(f"== {ns.model} ({ns.quantization or 'checkpoint'} weights), tensor_parallel_size "
+          f"{ns.tensor_parallel_size}: {'PASS' if rep.ok else 'FAIL'} ({rep.seconds:.0f} s; margin {MARGIN})")
+    print(f"  {len(rep.prompts)} prompts x {ns.max_tokens} greedy tokens: {d['token_exact']} token-exact, "
+          f"{sum(p.ok for p in rep.prompts)} within the margin rule; max |logprob diff| on equal prefixes "
+          f"{max(p.max_logprob_diff for p in rep.prompts):.2e}")
+    print(f"  weights: {whole / 1e6:.1f} MB in one process; per rank " +
+          ", ".join(f"{b / 1e6:.1f} MB ({b / whole:.2f}x)" for b in rep.weight_bytes_per_rank))
+    for p in rep.prompts:
+        if p.equal_prefix < p.tokens:
+            print(f"  {p.name}: equal for {p.equal_prefix} tokens, first reference near-tie at {p.first_tie}"
+                  f" -> {'ok' if p.ok else 'FAIL'}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(d, f, indent=2)
+    return 0 if rep.ok else 1

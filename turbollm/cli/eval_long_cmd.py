@@ -205,7 +205,8 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
             per = ns.ctx - len(head)  # text tokens per segment
             ids = [head + text_ids[i * per:(i + 1) * per] for i in range(ns.segments)]
             if len(ids[-1]) < ns.ctx:
-                raise EvalError(f"the text has {len(text_ids)} tokens, fewer than --segments × --ctx")
+                raise EvalError(f"the text has {len(text_ids)} tokens, fewer than {ns.segments} segments of {per} "
+                                f"need (--segments × --ctx, less a BOS per segment)")
         n = min(ns.ctx, llm.engine.max_model_len - 1)
         if n < ns.ctx:
             print(f"  {setting.label}: the first {n} tokens only (the model's context, or what the KV cache holds; "

@@ -97,6 +97,13 @@ class EngineArgs:
     # how the engine reaches its worker: "uni" (in this process) or "mp" (one worker process that
     # loads the model; plain data crosses the process boundary each step)
     distributed_executor_backend: str = "uni"
+    # tensor parallelism (distributed/tensor_parallel.py): N worker processes on this host, each with
+    # its shard of every weight and of the KV heads, joined over gloo; needs the "mp" executor (chosen
+    # for you when N > 1), the cores split between the ranks
+    tensor_parallel_size: int = 1
+    # tensor-parallel collectives through shared memory (ranks on one host; gloo over loopback otherwise,
+    # and for tensors larger than a slot)
+    tp_shared_memory: bool = True
     # speculative decoding (turbollm/spec_decode): vLLM's speculative_config, a dict or its JSON text;
     # parsed into a SpeculativeConfig here (every bad field named before anything loads): "ngram",
     # "suffix" or "draft_model" (a draft model is checked against the target by the engine, unloaded)
@@ -118,6 +125,10 @@ class EngineArgs:
             raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
         if self.qmatmul is not None and self.qmatmul not in QMATMUL_PATHS:
             raise InvalidRequestError(f"qmatmul {self.qmatmul!r}: choose one of {', '.join(QMATMUL_PATHS)}")
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"  # one process per rank
         if self.distributed_executor_backend not in ("uni", "mp"):
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
                                       "'uni' (the worker in this process) or 'mp' (a worker process)")
@@ -131,6 +142,10 @@ class EngineArgs:
                                       "block table, whose released blocks it would need); use method 'ngram' or "
                                       "'suffix'")
         self._check_quantized_kv()
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None \
+                and self.speculative_config.method == "draft_model":
+            raise InvalidRequestError("tensor_parallel_size > 1 does not take a draft model yet (method 'ngram' or "
+                                      "'suffix' speculate without one)")
         if get_kv_policy(self.kv_policy).evicts:
             if self.speculative_config is not None:
                 raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take speculative decoding (verified "

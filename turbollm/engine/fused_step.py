@@ -34,7 +34,6 @@ from torch import nn
 
 from turbollm.attention.backend import CPUKernelAttentionBackend, recent_tensors
 from turbollm.attention.kv_storage import LayerKVCache
-from turbollm.distributed import get_tp
 from turbollm.kernels import cpu_kernels
 from turbollm.kernels.quant import q8_levels
 from turbollm.models.forward_batch import ForwardBatch, LayerHooks
@@ -125,8 +124,6 @@ class FusedDecodeStep:
         reason = None
         if kernels is None or not hasattr(kernels, "DecodeStep"):
             reason = "C++ kernels unavailable"
-        elif get_tp().tp_size != 1:
-            reason = "tensor parallelism"
         elif len({c.layout.quant for c in self.kv_caches}) > 1 or any(
                 c.layout.quant is None and (c.k.dtype not in (torch.float32, torch.float16) or c.k.dtype != c.v.dtype)
                 for c in self.kv_caches):

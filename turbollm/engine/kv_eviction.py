@@ -17,7 +17,8 @@ releases the lowest-scored blocks outside the protected recent ones (`KVCacheMan
 workers hear of the removed table positions with the sequence's next step.
 
 - "h2o" (Heavy-Hitter Oracle): the score is the mass accumulated from every query since the
-  block was written (prompt rows and decodes); the newest budget/2 tokens are always kept.
+  block was written (prompt rows and decodes); the newest budget/2 tokens (rounded down to whole
+  blocks) are always kept.
 - "snapkv": the score is the mass from the last `SNAPKV_OBSERVE` queries only (the observation
   window: a prompt chunk's last rows, then the last decodes; at step granularity: the steps that
   hold the last 32 rows); the newest blocks covering the observation window are always kept. SnapKV's 1-D pooling of neighbouring scores is left out:
@@ -31,6 +32,7 @@ the prompt's block hashes; the engine switches caching off and says so).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -160,5 +162,7 @@ def choose_evictions(scores: list[float], num_blocks: int, protected_from: int, 
     excess = num_blocks - budget_blocks
     if excess <= 0:
         return []
-    candidates = sorted(range(min(protected_from, num_blocks)), key=lambda i: (scores[i], i))
+    # a NaN score (a NaN query) ranks lowest, so the order stays total
+    candidates = sorted(range(min(protected_from, num_blocks)),
+                        key=lambda i: (-math.inf if math.isnan(scores[i]) else scores[i], i))
     return sorted(candidates[:excess], reverse=True)

@@ -22,6 +22,8 @@ failure of the forward pass itself cannot be pinned on a request and is raised.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import time
 from typing import Any
@@ -32,6 +34,7 @@ from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
 from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
+from turbollm.distributed.tensor_parallel import check_tensor_parallel
 from turbollm.engine.kv_policy import get_kv_policy
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
@@ -76,6 +79,12 @@ class LLMEngine:
             desc = describe_model(args.model, quantization=args.quantization)
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved
+        tp = args.tensor_parallel_size
+        check_tensor_parallel(self.config, tp)
+        # the KV cache is described per rank: each rank keeps its share of the KV heads (all of them when
+        # there are fewer heads than ranks: each is then kept by several ranks)
+        kv_model = self.config if tp == 1 else dataclasses.replace(
+            self.config, num_kv_heads=max(1, self.config.num_kv_heads // tp))
         policy = args.kv_policy_config()
         trained = self.config.max_position_embeddings
         if get_kv_policy(policy.name).releases_all:  # every position meets keys at most a window away
@@ -86,13 +95,13 @@ class LLMEngine:
         budget = args.kv_cache_bytes()
         spec_tokens = spec.num_speculative_tokens if spec is not None else 0  # drafts' blocks (window caps)
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
-            budget = min(budget, default_kv_budget(self.config, kv_dtype, args.block_size, model_len,
+            budget = min(budget, default_kv_budget(kv_model, kv_dtype, args.block_size, model_len,
                                                    args.max_num_seqs, policy, self._batched_tokens(args),
                                                    spec_tokens, args.kv_recent_window or 0))
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul)).encode()
-        self.kv_config = KVCacheConfig.from_budget(self.config, budget, args.block_size, kv_dtype, salt,
+        self.kv_config = KVCacheConfig.from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
                                                    policy, args.max_num_seqs, self._batched_tokens(args),
                                                    spec_tokens, args.kv_recent_window or 0)
         evicts = get_kv_policy(policy.name).evicts  # an evicted table no longer matches its prompt's block keys
@@ -106,7 +115,7 @@ class LLMEngine:
                     self.kv_config.format_name, self.kv_config.describe(),
                     "on" if caching else f"off: kv_policy {policy.name!r} evicts" if evicts else "off")
         if self.kv_config.recent_slots and held is not None:
-            float16 = KVCacheConfig.for_model(self.config, 1, args.block_size, torch.float16).bytes_per_token
+            float16 = KVCacheConfig.for_model(kv_model, 1, args.block_size, torch.float16).bytes_per_token
             logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "
                         "the tokens float16 K/V would hold in the same budget", args.kv_cache_dtype,
                         self.kv_config.bytes_per_token, args.kv_recent_window, self.kv_config.recent_slots,
@@ -140,12 +149,13 @@ class LLMEngine:
         bounds max_model_len instead."""
         for g, group in enumerate(self.kv_config.groups):
             need = group.spec.max_blocks(1, self._batched_tokens(args), spec_tokens)
-            if need is not None:
-                need = min(need, -(-model_len // args.block_size) + 1)
+            if need is not None:  # a sequence alone never copies on write: its whole context at most
+                need = min(need, -(-model_len // args.block_size))
             if need is not None and self.kv_config.blocks_of(g) < need and self.kv_config.num_tokens is None:
                 raise InvalidRequestError(
                     f"kv_cache_memory holds {self.kv_config.blocks_of(g)} blocks for the {group.spec.kind} layers but "
-                    f"one sequence needs {need}: raise kv_cache_memory or lower kv_window / max_num_batched_tokens")
+                    f"one sequence needs {need}: raise kv_cache_memory or lower kv_window / kv_budget / "
+                    "max_num_batched_tokens")
 
     @staticmethod
     def _batched_tokens(args: EngineArgs) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from turbollm.attention import AttentionBackend, AttentionMetadata
 from turbollm.attention.key_mass import KeyMass
+from turbollm.distributed import get_tp
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.engine.fused_step import FusedDecodeStep
 from turbollm.engine.kv_recent import RecentRings
@@ -186,6 +187,10 @@ class ModelRunner:
         qsl = batch.attn.query_start_loc
         if batch.attn.key_mass is not None:  # each sequence's attention mass per table entry, for its eviction
             km = batch.attn.key_mass
+            if get_tp().tp_size > 1:  # each rank scored its own heads: the sum is every head's
+                from turbollm.distributed.tensor_parallel import all_reduce
+
+                all_reduce(km.out)
             for i, sid in enumerate(sched.scheduled_token_ids):
                 out.kv_scores[sid] = (qsl[i + 1] - km.first_rows[i], km.out[i, :len(self.states[sid].block_ids[0])].tolist())
         sample_rows, rows, prompt_rows = [], [], {}

@@ -17,21 +17,38 @@ from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.model_runner import ModelRunner
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.models.forward_batch import LayerHooks
 from turbollm.quantization.base import set_qmatmul
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None):
+    """`rank` / `init_method`: with tensor_parallel_size N > 1, this worker is rank `rank` of N joined at
+    `init_method` (distributed/tensor_parallel.py) and keeps its shard of the weights and of the KV
+    heads; `sampler_seed` is the seed every rank's sampler shares (so their draws stay in step);
+    `shm_files`: the shared-memory exchange of ranks on one host (distributed/shm_comm.py)."""
+
+    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None, rank: int = 0,
+                 init_method: str | None = None, sampler_seed: int | None = None, shm_files=None):
         from turbollm.loader import load_model
 
         tune_malloc()  # per process: the worker's forward passes are what it is for
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        tp = args.tensor_parallel_size
+        threads = args.threads or (torch.get_num_threads() if tp > 1 else None)  # ranks split the cores
+        if threads:
+            torch.set_num_threads(max(1, threads // tp))
+        hooks = None
+        if tp > 1:
+            from turbollm.distributed.tensor_parallel import all_reduce_hook, init_tensor_parallel
+
+            init_tensor_parallel(rank, tp, init_method, shm_files)
+            hooks = LayerHooks(attn_out=all_reduce_hook, mlp_out=all_reduce_hook)  # row-parallel partial sums
+        self.rank = rank
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)
         set_qmatmul(self.loaded.model, args.qmatmul)  # this engine's numerics, on its model only
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config), args.block_size,
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
-                                  seed=args.seed, layer_groups=kv_config.layer_groups,
+                                  seed=args.seed if sampler_seed is None else sampler_seed, hooks=hooks,
+                                  layer_groups=kv_config.layer_groups,
                                   group_attention=kv_config.group_attention, recent_slots=kv_config.recent_slots,
                                   score_rows=kv_config.score_rows)
 
@@ -40,6 +57,16 @@ class Worker:
         from turbollm.loader.footprint import model_footprint
 
         return model_footprint(self.loaded)
+
+    def comm_stats(self) -> dict:
+        """This rank's time, calls and bytes in collectives so far (all zero without tensor parallelism)."""
+        from turbollm.distributed.tensor_parallel import comm_stats
+
+        return comm_stats()
+
+    def fused_steps(self) -> int:
+        """Steps this worker ran through the fused C++ step (0 when it has none)."""
+        return self.runner.fused.steps if self.runner.fused is not None else 0
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

@@ -236,6 +236,10 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; failing %d request(s) in flight", len(self._sinks))
+            if isinstance(e, WorkerDiedError):  # closed before the callers hear: no request is taken after
+                with self._lock:
+                    self._closed = True
+                    self._dead_reason = f"the engine worker stopped on an error: {type(e).__name__}: {e}"
             for rid, sink in list(self._sinks.items()):
                 self._abort_in_engine(rid)
                 err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")

@@ -1,4 +1,6 @@
-"""Token embedding and LM head, vocabulary-parallel ready (tp size 1 today).
+"""Token embedding and LM head, vocabulary-parallel: with tensor parallelism each rank keeps the rows
+of its slice of the vocabulary (`vocab_start` ..), looks up the ids that fall in it (zeros for the
+others, summed across ranks by an all-reduce) and computes its slice of the logits (all-gathered).
 
 The table is dense float32 ``[vocab, dim]``, or, when the checkpoint's table is
 block-quantized and the model keeps GGUF types (the loader then hands a `QuantizedTensor`),
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbollm.distributed import divide, get_tp
 from turbollm.errors import WeightLoadError
 from turbollm.formats.ggml_quantizers import get_quantizer, quantize
 from turbollm.kernels.dense import dense_linear
@@ -29,8 +32,12 @@ class VocabEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.vocab_size, self.dim = vocab_size, dim
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)  # not touched: no memory yet
+        tp = get_tp()
+        self.tp_size = tp.tp_size
+        self.vocab_size, self.dim = vocab_size, dim  # the whole vocabulary
+        self.local_vocab = divide(vocab_size, tp.tp_size)  # the rows this rank keeps
+        self.vocab_start = tp.tp_rank * self.local_vocab
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, dim), requires_grad=False)  # untouched: no memory yet
         self.weight.weight_loader = self.load_table
 
     @property
@@ -41,14 +48,16 @@ class VocabEmbedding(nn.Module):
     def load_table(self, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor, shard_id=None) -> None:
         """Weight loader: keep a QuantizedTensor's blocks (an owned copy), copy a dense tensor."""
         what = type(self).__name__.lower()
+        if tuple(loaded.shape) != (self.vocab_size, self.dim):
+            raise WeightLoadError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match the model's "
+                                  f"{(self.vocab_size, self.dim)}")
+        if self.tp_size > 1:  # this rank's slice of the vocabulary
+            loaded = loaded.narrow(0, self.vocab_start, self.local_vocab)
         if isinstance(loaded, QuantizedTensor):
-            if tuple(loaded.shape) != (self.vocab_size, self.dim):
-                raise WeightLoadError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match the model's "
-                                      f"{(self.vocab_size, self.dim)}")
             self.weight = mark_ggml(nn.Parameter(loaded.owned(), requires_grad=False), loaded.qtype)
         else:
             if self.qtype is not None:  # blocks loaded before: back to a dense table
-                self.weight = nn.Parameter(torch.empty(self.vocab_size, self.dim), requires_grad=False)
+                self.weight = nn.Parameter(torch.empty(self.local_vocab, self.dim), requires_grad=False)
             copy_checked(self.weight, loaded, what)
         self.weight.weight_loader = self.load_table
 
@@ -62,6 +71,18 @@ class VocabEmbedding(nn.Module):
         return True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self._rows(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = self._rows(local.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        from turbollm.distributed.tensor_parallel import all_reduce
+
+        all_reduce(out)  # each id's row comes from the one rank that holds it
+        return out
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         qtype = self.qtype
         if qtype is None:
             return F.embedding(ids, self.weight)
@@ -81,7 +102,13 @@ class LMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         qtype = self.qtype
         if qtype is None:
-            return dense_linear(hidden, self.weight)
-        flat = hidden.reshape(-1, self.dim)
-        return ggml_linear(flat, self.weight, qtype, self.dim, path=qmatmul_of(self)).reshape(
-            *hidden.shape[:-1], self.vocab_size)
+            logits = dense_linear(hidden, self.weight)
+        else:
+            flat = hidden.reshape(-1, self.dim)
+            logits = ggml_linear(flat, self.weight, qtype, self.dim, path=qmatmul_of(self)).reshape(
+                *hidden.shape[:-1], self.local_vocab)
+        if self.tp_size > 1:  # every rank gets the whole vocabulary's logits, in rank order
+            from turbollm.distributed.tensor_parallel import all_gather_last
+
+            logits = all_gather_last(logits)
+        return logits

@@ -12,6 +12,8 @@ the same way. The model files see only these classes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ from turbollm.quantization import LinearMethod, QuantizedTensor, UnquantizedLine
 from turbollm.quantization.qtensor import as_dense, copy_checked
 
 Loaded = torch.Tensor | QuantizedTensor
+logger = logging.getLogger("turbollm")
 
 
 class LinearBase(nn.Module):
@@ -134,7 +137,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dimension split across ranks; partial outputs are summed (all-reduce)."""
+    """Input dimension split across ranks; each rank's output is a partial sum (the bias on rank 0 only),
+    summed across ranks by the all-reduce the step's `LayerHooks` run after the layer's output
+    (`distributed/tensor_parallel.py`), in the module path and the fused step alike."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None):
         tp = get_tp()
@@ -147,11 +152,35 @@ class RowParallelLinear(LinearBase):
                                   f"the model's {expected}")
         if param.dim() == 2 and self.tp.tp_size > 1:
             size = param.shape[1]
-            loaded = loaded.narrow(1, self.tp.tp_rank * size, size)  # along K: whole GGML blocks only
+            start = self.tp.tp_rank * size
+            if isinstance(loaded, QuantizedTensor) and (start % loaded.block_size or size % loaded.block_size):
+                loaded = reencode_columns(loaded, start, size)
+            else:
+                loaded = loaded.narrow(1, start, size)  # along K: whole GGML blocks
         self.store_rows(param, loaded, 0, "row-parallel weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x, self.bias)
-        if self.tp.tp_size > 1:
-            torch.distributed.all_reduce(y)
-        return y
+
+#: What a GGML weight whose row-parallel shard would cut its blocks is re-encoded as: 32-element blocks
+#: of 8-bit values (the finest GGML type; its rounding is ~0.4% of each block's largest weight).
+REENCODE_QTYPE = 8  # Q8_0
+_REENCODED: set[str] = set()
+
+
+def reencode_columns(loaded: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+    """Columns [start, start + size) of a GGML weight whose blocks they would cut (a k-quant's 256 weights
+    when K / tensor_parallel_size is not a multiple of 256): decoded, then encoded as Q8_0 (logged)."""
+    from turbollm.formats.ggml_quantizers import quantize
+    from turbollm.quantization.qtensor import ggml_type_name
+
+    if start % 32 or size % 32:
+        raise WeightLoadError(f"tensor {loaded.name}: a row-parallel shard of columns [{start}, {start + size}) is not "
+                              f"on 32-element boundaries: no GGML type can hold it; choose another "
+                              "tensor_parallel_size")
+    dense = as_dense(loaded)[:, start:start + size]
+    blocks = torch.from_numpy(quantize(dense, REENCODE_QTYPE, tensor_name=loaded.name))
+    if loaded.type_name not in _REENCODED:  # once per type and process
+        _REENCODED.add(loaded.type_name)
+        logger.info("tensor parallelism: row-parallel shards that cut %s blocks of %d (%s, columns [%d, %d), and any "
+                    "other) are re-encoded as %s", loaded.type_name, loaded.block_size, loaded.name, start,
+                    start + size, ggml_type_name(REENCODE_QTYPE))
+    return QuantizedTensor(blocks, REENCODE_QTYPE, (dense.shape[0], size), loaded.name)

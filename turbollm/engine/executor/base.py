@@ -31,5 +31,9 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; raises ExecutorError when a worker fails it."""
 
+    def comm_stats(self) -> list[dict] | None:
+        """Each tensor-parallel rank's time, calls and bytes in collectives so far (None: one rank)."""
+        return None
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""

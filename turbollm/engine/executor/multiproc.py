@@ -1,13 +1,16 @@
-"""One worker in its own process (spawned, so it shares no threads or locks with the engine), reached
-through a pipe: the step's `SchedulerOutput` goes over pickled, the `ModelRunnerOutput` comes back,
-both tagged with the step's number.
+"""Worker processes (spawned, so they share no threads or locks with the engine), each reached through
+a pipe: the step's `SchedulerOutput` goes over pickled, the `ModelRunnerOutput` comes back, both
+tagged with the step's number. One worker, or with `tensor_parallel_size` N > 1 one per rank: the
+ranks join a gloo group at a free local port the engine picked (`distributed/tensor_parallel.py`),
+every rank runs every step, and rank 0's output is the step's (the others' sampled tokens are
+checked against it: the ranks must agree).
 
-The engine's process never loads the weights: the worker does, and the engine keeps only the
+The engine's process never loads the weights: the workers do, and the engine keeps only the
 model's config and tokenizer. A worker that raises during a step sends the traceback back (the
 engine raises `ExecutorError` with it and the worker keeps serving); a worker that dies is noticed
-within `POLL_S` seconds of the engine waiting on it and reported with its exit code
-(`WorkerDiedError`: the engine cannot go on). A reply the engine stopped waiting for (Ctrl-C while
-a step ran) is recognised by its number and dropped. The worker ignores SIGINT: Ctrl-C in a
+within `POLL_S` seconds of the engine waiting on any worker and reported with its rank and exit
+code (`WorkerDiedError`: the engine cannot go on). A reply the engine stopped waiting for (Ctrl-C
+while a step ran) is recognised by its number and dropped. Workers ignore SIGINT: Ctrl-C in a
 terminal reaches the whole process group, and it is the engine's to handle.
 """
 
@@ -15,29 +18,46 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import random
 import signal
+import socket
+import time
 import traceback
 import weakref
 
+from turbollm.distributed.shm_comm import ShmFiles
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("turbollm")
 POLL_S = 1.0
+HANG_GRACE_S = 2.0  # after a rank fails a step's collectives, how long the others may take to answer
 
 
-def _worker_main(conn, args, kv_config) -> None:
+def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=None, shm_files=None) -> None:
     """The worker process: build the worker, then run steps until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from turbollm.engine.worker import Worker
 
-        worker = Worker(args, kv_config)
+        worker = Worker(args, kv_config, rank=rank, init_method=init_method, sampler_seed=sampler_seed,
+                        shm_files=shm_files)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", 0, traceback.format_exc()))
         return
     conn.send(("ready", 0, worker.footprint()))
+    try:
+        _serve(conn, worker)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # leave the tensor-parallel group cleanly (its threads stop)
+            dist.destroy_process_group()
+
+
+def _serve(conn, worker) -> None:
     while True:
         try:
             msg = conn.recv()
@@ -49,78 +69,166 @@ def _worker_main(conn, args, kv_config) -> None:
         if msg[0] == "shutdown":
             return
         try:
-            conn.send(("ok", msg[1], worker.execute_model(msg[2])))
+            if msg[0] == "call":  # a worker method by name (tests and benchmarks read per-rank state)
+                conn.send(("ok", msg[1], getattr(worker, msg[2])()))
+            else:
+                conn.send(("ok", msg[1], worker.execute_model(msg[2])))
         except Exception:  # noqa: BLE001 - this step failed; the worker keeps serving
             conn.send(("error", msg[1], traceback.format_exc()))
 
 
-def _stop(proc, conn) -> None:
-    try:
-        conn.send(("shutdown",))
-    except (OSError, ValueError):
-        pass
-    proc.join(timeout=5)
-    if proc.is_alive():
-        proc.kill()
+def _stop(procs, conns, shm=None) -> None:
+    if shm is not None:
+        shm.unlink()
+    for conn in conns:
+        try:
+            conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
         proc.join(timeout=5)
-    conn.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    for conn in conns:
+        conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class MultiprocExecutor(Executor):
     def __init__(self, args, kv_config, loaded=None):
         super().__init__(args, kv_config, loaded)
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child, args, kv_config), name="turbollm-worker-0",
-                                 daemon=True)
-        self._proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
+        n = args.tensor_parallel_size
+        # the ranks' rendezvous (a free local port) and their samplers' common seed
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
+        seed = args.seed if args.seed is not None or n == 1 else random.SystemRandom().getrandbits(62)
+        shm = ShmFiles.create(n) if n > 1 and args.tp_shared_memory else None
+        self._procs, self._conns = [], []
+        for rank in range(n):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(child, args, kv_config, rank, init_method, seed, shm),
+                               name=f"turbollm-worker-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(conn)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, shm)
         self._step = 0
-        try:
-            kind, _, payload = self._receive("starting", 0)
-        except WorkerDiedError as e:
-            self.shutdown()
-            raise WorkerDiedError(f"{e}; a script that starts an engine with a worker process needs "
-                                  "`if __name__ == '__main__':` around its top level (multiprocessing's "
-                                  "spawn re-imports it)") from None
-        if kind != "ready":
-            self.shutdown()
-            raise ExecutorError(f"worker 0 failed to start:\n{payload}")
-        self.footprint = payload
+        for rank in range(n):
+            try:
+                kind, _, payload = self._receive(rank, "starting", 0)
+            except WorkerDiedError as e:
+                self.shutdown()
+                raise WorkerDiedError(f"{e}; a script that starts an engine with worker processes needs "
+                                      "`if __name__ == '__main__':` around its top level (multiprocessing's "
+                                      "spawn re-imports it)") from None
+            if kind != "ready":
+                self.shutdown()
+                raise ExecutorError(f"worker {rank} failed to start:\n{payload}")
+            if rank == 0:
+                self.footprint = payload
+        if shm is not None:  # every rank has mapped them
+            shm.unlink()
 
-    def _dead(self, doing: str) -> WorkerDiedError:
-        self._proc.join(timeout=1)
-        code = self._proc.exitcode
+    def _dead(self, rank: int, doing: str) -> WorkerDiedError:
+        proc = self._procs[rank]
+        proc.join(timeout=1)
+        code = proc.exitcode
         how = ("is still running" if code is None else
                f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        return WorkerDiedError(f"worker 0 (pid {self._proc.pid}) {how} while {doing}")
+        return WorkerDiedError(f"worker {rank} (pid {proc.pid}) {how} while {doing}")
 
-    def _receive(self, doing: str, step: int):
-        """The worker's reply to step `step` (replies to steps the engine gave up on are dropped)."""
+    def _receive(self, rank: int, doing: str, step: int):
+        """Worker `rank`'s reply to step `step` (replies to steps the engine gave up on are dropped); any
+        worker found dead while waiting ends the wait."""
+        conn = self._conns[rank]
         while True:
-            while not self._conn.poll(POLL_S):
-                if not self._proc.is_alive():
-                    raise self._dead(doing)
+            while not conn.poll(POLL_S):
+                for r, proc in enumerate(self._procs):
+                    if not proc.is_alive():
+                        raise self._dead(r, doing)
             try:
-                kind, tag, payload = self._conn.recv()
+                kind, tag, payload = conn.recv()
             except (EOFError, OSError):
-                raise self._dead(doing) from None
+                raise self._dead(rank, doing) from None
             if tag in (step, -1):
                 return kind, tag, payload
 
+    def _gather(self, doing: str, step: int) -> list:
+        """Every worker's reply to `step`, in rank order. With several ranks, one that fails the step (its
+        collectives timed out: a peer died or hangs) starts a `HANG_GRACE_S` deadline for the others; a
+        rank still silent then is named as hung (`WorkerDiedError`), whichever rank it is."""
+        if len(self._conns) == 1:
+            return [self._receive(0, doing, step)]
+        replies: dict[int, tuple] = {}
+        deadline = None
+        while len(replies) < len(self._conns):
+            waiting = [r for r in range(len(self._conns)) if r not in replies]
+            ready = mp_connection.wait([self._conns[r] for r in waiting], timeout=POLL_S)
+            for r, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    raise self._dead(r, doing)
+            for conn in ready:
+                rank = self._conns.index(conn)
+                try:
+                    kind, tag, payload = conn.recv()
+                except (EOFError, OSError):
+                    raise self._dead(rank, doing) from None
+                if tag not in (step, -1):
+                    continue  # a reply to a step the engine gave up on
+                replies[rank] = (kind, tag, payload)
+                if kind != "ok" and deadline is None:
+                    deadline = time.monotonic() + HANG_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                rank = next(r for r in range(len(self._conns)) if r not in replies)
+                raise WorkerDiedError(f"worker {rank} (pid {self._procs[rank].pid}) stopped answering (hung) while "
+                                      f"{doing}; the other ranks' collectives timed out:\n"
+                                      f"{next(p for k, _, p in replies.values() if k != 'ok')}")
+        return [replies[r] for r in range(len(self._conns))]
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._step += 1
-        try:
-            self._conn.send(("execute", self._step, sched))
-        except (OSError, ValueError) as e:
-            raise self._dead(f"sending a step ({e})") from None
-        except Exception as e:  # noqa: BLE001 - e.g. a value that does not pickle
-            raise ExecutorError(f"the step could not be sent to worker 0: {type(e).__name__}: {e}") from e
-        kind, _, payload = self._receive("running a step", self._step)
-        if kind != "ok":
-            raise ExecutorError(f"worker 0 failed a step:\n{payload}")
-        return payload
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(("execute", self._step, sched))
+            except (OSError, ValueError) as e:
+                raise self._dead(rank, f"sending a step ({e})") from None
+            except Exception as e:  # noqa: BLE001 - e.g. a value that does not pickle
+                raise ExecutorError(f"the step could not be sent to worker {rank}: {type(e).__name__}: {e}") from e
+        replies = self._gather("running a step", self._step)
+        for rank, (kind, _, payload) in enumerate(replies):
+            if kind != "ok":
+                raise ExecutorError(f"worker {rank} failed a step:\n{payload}")
+        out = replies[0][2]
+        for rank, (_, _, other) in enumerate(replies[1:], start=1):
+            if _tokens(other) != _tokens(out):
+                raise ExecutorError(f"tensor-parallel rank {rank} sampled other tokens than rank 0: the ranks are out "
+                                    "of step")
+        return out
+
+    def comm_stats(self) -> list[dict] | None:
+        return self.call("comm_stats") if len(self._conns) > 1 else None
+
+    def call(self, method: str) -> list:
+        """Worker method `method()` on every rank (no arguments; plain data back), in rank order."""
+        self._step += 1
+        for conn in self._conns:
+            conn.send(("call", self._step, method))
+        replies = [self._receive(rank, f"answering {method}", self._step) for rank in range(len(self._conns))]
+        for rank, (kind, _, payload) in enumerate(replies):
+            if kind != "ok":
+                raise ExecutorError(f"worker {rank} failed {method}:\n{payload}")
+        return [payload for _, _, payload in replies]
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _tokens(out: ModelRunnerOutput) -> dict[int, list[int]]:
+    return {sid: [t.token_id for t in tokens] for sid, tokens in out.sampled.items()}

@@ -3,6 +3,7 @@
 #include "ops.h"
 
 void bind_decode_step(pybind11::module_& m);
+void shm_exchange(torch::Tensor t, torch::Tensor buf, torch::Tensor flags, int64_t rank, int64_t seq, double timeout_s);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU); with "
@@ -48,5 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("dense_max_rows") = kDenseMaxRows;
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)");
 
+  m.def("shm_exchange", &shm_exchange, "publish t in this rank's shared-memory slot of exchange seq and wait for "
+        "every rank's (tensor parallelism on one host)");
   bind_decode_step(m);
 }

@@ -231,6 +231,8 @@ class DecodeStep {
       TORCH_CHECK(recent.size() == 5 * block_tables.size(), "decode step: quantized K/V needs its recent data per group");
       qsl_all = query_start_loc ? *query_start_loc : torch::arange(B + 1, torch::kInt64);
     }
+    torch::Tensor mass_qsl;  // an eviction policy's scores: every sequence's rows, once per step
+    if (mass_out_) mass_qsl = query_start_loc ? *query_start_loc : torch::arange(B + 1, torch::kInt64);
     std::vector<torch::Tensor> sink_pos(group_sinks_.size());  // per sink group: min(p, sinks + window - 1)
     for (size_t g = 0; g < group_sinks_.size(); ++g)
       if (group_sinks_[g] > 0) sink_pos[g] = positions.clamp_max(group_sinks_[g] + group_window_[g] - 1);
@@ -281,9 +283,8 @@ class DecodeStep {
                                                         L.scale, window, L.softcap, query_start_loc, sinks, q_sink))
                             .reshape({B, -1});
       if (mass_out_)  // an eviction policy's scores: this layer's attention mass per table entry
-        paged_key_mass(rows_contiguous(q), k_[i], block_tables[g],
-                       query_start_loc ? *query_start_loc : torch::arange(B + 1, torch::kInt64), seq_lens,
-                       *mass_first_, L.scale, L.softcap, *mass_out_);
+        paged_key_mass(rows_contiguous(q), k_[i], block_tables[g], mass_qsl, seq_lens, *mass_first_, L.scale,
+                       L.softcap, *mass_out_);
       }
       torch::Tensor o = L.o(a, levels);
       call_hook(attn_out_, i, o);

@@ -1,0 +1,169 @@
+"""Tensor parallelism on torch.distributed (issue 32, item 1): N worker processes joined over gloo, each
+with its shard of the weights and KV heads; the same greedy tokens as one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import catalog_model_path
+from quant_tiny import build_tiny
+from turbollm import LLM, SamplingParams
+from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.executor.base import WorkerDiedError
+from turbollm.engine.llm_engine import LLMEngine
+from turbollm.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp")
+    return {arch: build_tiny(arch, folder / arch) for arch in ("llama", "qwen2", "gemma3")}
+
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _run(llm, prompts) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _check_equal(ref, got, tol: float) -> None:
+    for (t0, lp0), (t1, lp1) in zip(ref, got):
+        assert t1 == t0
+        assert max(abs(a - b) for a, b in zip(lp0, lp1)) < tol
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_two_ranks_equal_one(tiny, arch):
+    """GQA (llama), biases and an untied head (qwen2), MQA with its one KV head kept by both ranks and
+    sliding layers (gemma3): the same greedy tokens as one process, through the fused step on every rank
+    and through the modules; each rank holds about half the weights."""
+    prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(4, 300, (n,), generator=torch.Generator()
+                                                                      .manual_seed(n))]} for n in (5, 40, 90)]
+    one = LLM(str(tiny[arch]), threads=2)
+    ref = _run(one, prompts)
+    whole = one.engine.executor.footprint.weight_bytes
+    del one
+    for eager in (False, True):
+        llm = LLM(str(tiny[arch]), tensor_parallel_size=2, threads=2, enforce_eager=eager)
+        try:
+            _check_equal(ref, _run(llm, prompts), 1e-4)
+            steps = llm.engine.executor.call("fused_steps")
+            assert all(s > 10 for s in steps) if not eager else steps == [0, 0]
+            per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
+            # every matrix and the vocabulary split in two; norms (and gemma3's single KV head) kept whole
+            assert all(0.5 * whole <= b < 0.62 * whole for b in per_rank), (per_rank, whole)
+        finally:
+            llm.engine.shutdown()
+
+
+def test_gguf_model_split_in_three():
+    """smollm2-135m (Q4_1 blocks of 32, 9 heads and 3 KV heads, vocabulary 49152) on 3 ranks: the same greedy
+    tokens as one process."""
+    path = str(catalog_model_path("smollm2-135m"))
+    prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time"]
+    ref = _run(LLM(path, threads=2), prompts)
+    llm = LLM(path, tensor_parallel_size=3, threads=2)
+    try:
+        _check_equal(ref, _run(llm, prompts), 5e-3)  # the q8 activations of each shard round apart
+        assert all(s > 10 for s in llm.engine.executor.call("fused_steps"))
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("size, message", [
+    (3, "does not divide its 4 attention heads"),  # the tiny llama: 4 heads, 2 KV heads
+    (0, "tensor_parallel_size must be >= 1"),
+])
+def test_impossible_splits_are_refused_before_any_rank_starts(tiny, size, message, monkeypatch):
+    import turbollm.engine.executor.multiproc as multiproc
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(str(tiny["llama"]), tensor_parallel_size=size)
+
+
+def test_a_dead_rank_is_named_within_seconds(tiny):
+    """Rank 1 killed: rank 0 waits in its all-reduce, the engine names rank 1 within 10 s."""
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2))
+    try:
+        os.kill(engine.executor._procs[1].pid, signal.SIGKILL)
+        engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), "r")
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid \d+\) was killed by signal 9 while"):
+            engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        engine.shutdown()
+
+
+def test_a_hung_rank_is_named_within_ten_seconds(tiny):
+    """Rank 1 stopped (SIGSTOP): rank 0's all-reduce times out, and the engine names rank 1 as hung."""
+    from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
+    from turbollm.engine.executor.multiproc import HANG_GRACE_S
+
+    assert STEP_TIMEOUT_S + HANG_GRACE_S < 10
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2))
+    pid = engine.executor._procs[1].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), "r")
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid \d+\) stopped answering \(hung\)"):
+            engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.shutdown()
+
+
+def test_server_answers_a_clean_error_when_a_rank_dies_mid_request(tiny):
+    """`turbollm serve` with 2 ranks: rank 1 killed at the 6th step of a streamed request; the stream ends
+    with an error naming it within 10 s, /health says 503, and a new request is refused with 503."""
+    import asyncio
+
+    httpx = pytest.importorskip("httpx")
+    from turbollm.entrypoints.async_engine import AsyncLLMEngine
+    from turbollm.server.app import ServerSettings, build_app
+
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2))
+    steps, t_kill = [0], [0.0]
+    execute = engine.executor.execute_model
+
+    def killing_step(sched):
+        steps[0] += 1
+        if steps[0] == 6:  # mid-request: the prompt is done and tokens are streaming
+            os.kill(engine.executor._procs[1].pid, signal.SIGKILL)
+            t_kill[0] = time.monotonic()
+        return execute(sched)
+
+    engine.executor.execute_model = killing_step
+    aengine = AsyncLLMEngine(engine)
+    app = build_app(aengine, ServerSettings(served_model_names=["tiny"]))
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+            assert (await client.get("/health")).status_code == 200
+            body = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            resp = await client.post("/v1/completions", json=body)
+            ended = time.monotonic()
+            health = (await client.get("/health")).status_code
+            again = await client.post("/v1/completions", json={**body, "stream": False})
+            return resp.text, ended, health, again
+
+    try:
+        text, ended, health, again = asyncio.run(go())
+    finally:
+        aengine.shutdown_sync(timeout=5)
+        engine.shutdown()
+    assert steps[0] >= 6 and ended - t_kill[0] < 10
+    assert '"text"' in text and "worker 1" in text and "error" in text, text[-500:]
+    assert health == 503 and again.status_code == 503
