@@ -14,8 +14,9 @@ from conftest import catalog_model_path
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor.base import WorkerDiedError
+from turbollm.engine.executor.base import ExecutorError, WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.errors import InvalidRequestError
 
 
@@ -119,9 +120,22 @@ def test_a_hung_rank_is_named_within_ten_seconds(tiny):
         with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid \d+\) stopped answering \(hung\)"):
             engine.step()
         assert time.monotonic() - t0 < 10
+        os.kill(pid, signal.SIGCONT)  # back, but its collectives are out of step with rank 0's: no more steps
+        with pytest.raises(WorkerDiedError, match="out of step"):
+            engine.executor.execute_model(SchedulerOutput())
     finally:
         os.kill(pid, signal.SIGCONT)
         engine.shutdown()
+
+
+def test_a_rank_that_cannot_start_says_why(tiny):
+    """int4-g64's groups do not divide a rank's 32 o_proj inputs (64 in one process): the engine reports the
+    rank's own error, promptly, not a hang while the other ranks wait for it to join."""
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"worker \d failed to start(.|\n)*group size 64 does not divide a "
+                                            r"layer's 32 input features"):
+        LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2, quantization="int4-g64"))
+    assert time.monotonic() - t0 < 60
 
 
 def test_server_answers_a_clean_error_when_a_rank_dies_mid_request(tiny):
@@ -167,3 +181,17 @@ def test_server_answers_a_clean_error_when_a_rank_dies_mid_request(tiny):
     assert steps[0] >= 6 and ended - t_kill[0] < 10
     assert '"text"' in text and "worker 1" in text and "error" in text, text[-500:]
     assert health == 503 and again.status_code == 503
+
+
+def test_shards_split_on_block_boundaries():
+    """The MLP width of qwen2.5-coder-0.5b (4864) over 2 ranks on Q6_K's 256-weight blocks: 10 blocks and 9,
+    no rank cutting a block; an even split where the blocks allow it; every unit assigned once."""
+    from turbollm.distributed import ParallelState
+
+    assert [ParallelState(2, r).shard(4864, 256) for r in range(2)] == [(0, 2560), (2560, 2304)]
+    assert [ParallelState(2, r).shard(128) for r in range(2)] == [(0, 64), (64, 64)]
+    parts = [ParallelState(3, r).shard(8960, 256) for r in range(3)]
+    assert parts[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+    assert sum(n for _, n in parts) == 8960 and all(n % 256 == 0 for _, n in parts)
+    with pytest.raises(ValueError):
+        ParallelState(2, 0).shard(100, 32)

@@ -14,6 +14,18 @@ from dataclasses import dataclass
 class ParallelState:
     tp_size: int = 1
     tp_rank: int = 0
+    # the MLP width is split across ranks in multiples of this (the largest GGML block of the down
+    # projections, so no rank's share of them cuts a block; the loader sets it before building)
+    mlp_align: int = 1
+
+    def shard(self, total: int, align: int = 1) -> tuple[int, int]:
+        """This rank's (start, size) of `total` split in multiples of `align`, as evenly as that allows
+        (the first ranks take one unit more)."""
+        if total % align:
+            raise ValueError(f"{total} is not a multiple of {align}")
+        base, extra = divmod(total // align, self.tp_size)
+        r = self.tp_rank
+        return (r * base + min(r, extra)) * align, (base + (r < extra)) * align
 
 
 _STATE = ParallelState()

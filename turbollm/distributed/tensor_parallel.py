@@ -110,8 +110,6 @@ def check_tensor_parallel(cfg, size: int) -> None:
         problems.append(f"its {cfg.num_kv_heads} KV heads (nor do they divide it)")
     if cfg.vocab_size % size:
         problems.append(f"its vocabulary of {cfg.vocab_size}")
-    if cfg.intermediate_size % size:
-        problems.append(f"its MLP width {cfg.intermediate_size}")
     if problems:
         raise InvalidRequestError(f"tensor_parallel_size {size} does not divide {', '.join(problems)}")
 

@@ -64,7 +64,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int | None = None  # tokens per KV block; default 16, 32 for int8/int4 K/V (their scales cost less)
-    kv_cache_memory: int | None = None  # bytes; default: a quarter of available RAM, at most 4 GiB
+    kv_cache_memory: int | None = None  # bytes, all ranks together; default: a quarter of available RAM, at most 4 GiB
     enable_prefix_caching: bool = True
     seed: int | None = None
     attention_backend: str = "cpu"  # "cpu": C++ decode kernel when it builds; "torch": pure PyTorch
@@ -142,6 +142,9 @@ class EngineArgs:
                                       "block table, whose released blocks it would need); use method 'ngram' or "
                                       "'suffix'")
         self._check_quantized_kv()
+        if self.tensor_parallel_size > 1 and self.quantization == "int8":
+            raise InvalidRequestError("quantization 'int8' equalizes channels on a calibration pass that does not "
+                                      "run sharded yet: with tensor_parallel_size > 1 use 'int8-rtn' (or int4)")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None \
                 and self.speculative_config.method == "draft_model":
             raise InvalidRequestError("tensor_parallel_size > 1 does not take a draft model yet (method 'ngram' or "

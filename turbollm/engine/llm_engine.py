@@ -92,7 +92,7 @@ class LLMEngine:
         else:
             model_len = min(args.max_model_len or trained, trained)
         kv_dtype = args.kv_torch_dtype(self.quantization)
-        budget = args.kv_cache_bytes()
+        budget = args.kv_cache_bytes() // tp  # the budget is the whole engine's: each rank holds its share
         spec_tokens = spec.num_speculative_tokens if spec is not None else 0  # drafts' blocks (window caps)
         if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
             budget = min(budget, default_kv_budget(kv_model, kv_dtype, args.block_size, model_len,

@@ -78,21 +78,25 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel weights stacked on the output dimension (e.g. gate and up)."""
+    """Several column-parallel weights stacked on the output dimension (e.g. gate and up); each split in
+    multiples of `align` (the MLP's: `ParallelState.mlp_align`), as the row-parallel layer after it."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, method: LinearMethod | None = None):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, method: LinearMethod | None = None,
+                 align: int = 1):
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, method)
+        tp = get_tp()
+        self.shards = [tp.shard(n, align) for n in output_sizes]  # this rank's (start, size) of each
+        LinearBase.__init__(self, in_features, sum(size for _, size in self.shards), bias, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int = 0) -> None:
-        tp = self.tp
-        offset = sum(self.output_sizes[:shard_id]) // tp.tp_size
-        size = self.output_sizes[shard_id] // tp.tp_size
+        offset = sum(size for _, size in self.shards[:shard_id])
+        start, size = self.shards[shard_id]
         expected = (self.output_sizes[shard_id], *param.shape[1:])
         if tuple(loaded.shape) != expected:
             raise WeightLoadError(f"merged shard {shard_id}: checkpoint shape {tuple(loaded.shape)} does not match "
                                   f"the model's {expected}")
-        self.store_rows(param, loaded.narrow(0, tp.tp_rank * size, size), offset, f"merged shard {shard_id}")
+        self.store_rows(param, loaded.narrow(0, start, size) if self.tp.tp_size > 1 else loaded, offset,
+                        f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -141,18 +145,22 @@ class RowParallelLinear(LinearBase):
     summed across ranks by the all-reduce the step's `LayerHooks` run after the layer's output
     (`distributed/tensor_parallel.py`), in the module path and the fused step alike."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 align: int = 1):
         tp = get_tp()
-        super().__init__(divide(in_features, tp.tp_size), out_features, bias and tp.tp_rank == 0, method)
+        self.total_in = in_features
+        # this rank's columns: in multiples of `align` (an MLP's down projection), else an even split
+        self.in_start, size = tp.shard(in_features, align) if align > 1 else (
+            tp.tp_rank * divide(in_features, tp.tp_size), in_features // tp.tp_size)
+        super().__init__(size, out_features, bias and tp.tp_rank == 0, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
-        expected = (param.shape[0], param.shape[1] * self.tp.tp_size) if param.dim() == 2 else tuple(param.shape)
+        expected = (param.shape[0], self.total_in) if param.dim() == 2 else tuple(param.shape)
         if tuple(loaded.shape) != expected:
             raise WeightLoadError(f"row-parallel weight: checkpoint shape {tuple(loaded.shape)} does not match "
                                   f"the model's {expected}")
         if param.dim() == 2 and self.tp.tp_size > 1:
-            size = param.shape[1]
-            start = self.tp.tp_rank * size
+            size, start = param.shape[1], self.in_start
             if isinstance(loaded, QuantizedTensor) and (start % loaded.block_size or size % loaded.block_size):
                 loaded = reencode_columns(loaded, start, size)
             else:

@@ -109,6 +109,21 @@ def _open(name: str, quantization: str | None) -> _Opened:
     return _Opened(resolved, cfg, Tokenizer.from_hf_folder(resolved.path), qname, method, quantized)
 
 
+def _align_mlp_shards(gguf) -> None:
+    """Tensor parallelism over GGML blocks: split the MLP width on the down projections' largest block
+    (a k-quant's 256), so every rank's share of them is whole blocks (`ParallelState.mlp_align`)."""
+    import dataclasses
+
+    from turbollm.distributed import get_tp, set_tp
+    from turbollm.formats.ggml_types import block_size_bytes
+
+    tp = get_tp()
+    if tp.tp_size == 1:
+        return
+    blocks = [block_size_bytes(t.qtype)[0] for name, t in gguf.tensors.items() if name.endswith("ffn_down.weight")]
+    set_tp(dataclasses.replace(tp, mlp_align=max(blocks, default=1)))
+
+
 def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Resolve `name` (catalog name, GGUF file, HF folder or hub id) and load it on the CPU.
 
@@ -123,6 +138,8 @@ def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype
 
         weights = iter_gguf_weights(o.source, cfg, keep_quantized=o.method.accepts_ggml_blocks)
         hf_layout, file_bytes = False, o.source.tensor_bytes
+        if o.method.accepts_ggml_blocks:
+            _align_mlp_shards(o.source)
     else:
         from turbollm.loader.safetensors_weights import iter_checkpoint_weights, safetensors_files
 

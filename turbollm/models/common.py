@@ -22,6 +22,7 @@ from turbollm.errors import WeightLoadError
 from turbollm.layers.activation import GatedActivation
 from turbollm.layers.attention import Attention, sink_positions
 from turbollm.layers.embedding import LMHead, VocabEmbedding
+from turbollm.distributed import get_tp
 from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
@@ -78,8 +79,10 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, method=method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=method)
+        align = get_tp().mlp_align  # tensor parallelism: the MLP width split on the down projection's blocks
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, method=method,
+                                                       align=align)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=method, align=align)
         self.act = GatedActivation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:

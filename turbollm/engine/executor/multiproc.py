@@ -27,6 +27,7 @@ import traceback
 import weakref
 
 from turbollm.distributed.shm_comm import ShmFiles
+from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
@@ -120,60 +121,52 @@ class MultiprocExecutor(Executor):
             self._conns.append(conn)
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, shm)
         self._step = 0
-        for rank in range(n):
-            try:
-                kind, _, payload = self._receive(rank, "starting", 0)
-            except WorkerDiedError as e:
-                self.shutdown()
-                raise WorkerDiedError(f"{e}; a script that starts an engine with worker processes needs "
-                                      "`if __name__ == '__main__':` around its top level (multiprocessing's "
-                                      "spawn re-imports it)") from None
+        self._broken: str | None = None  # several ranks: why they can no longer run steps together
+        try:
+            replies = self._gather("starting", 0, startup=True)
+        except WorkerDiedError as e:
+            self.shutdown()
+            if "failed to start" in str(e):
+                raise ExecutorError(str(e)) from None
+            raise WorkerDiedError(f"{e}; a script that starts an engine with worker processes needs "
+                                  "`if __name__ == '__main__':` around its top level (multiprocessing's "
+                                  "spawn re-imports it)") from None
+        for rank, (kind, _, payload) in enumerate(replies):
             if kind != "ready":
                 self.shutdown()
                 raise ExecutorError(f"worker {rank} failed to start:\n{payload}")
-            if rank == 0:
-                self.footprint = payload
+        self.footprint = replies[0][2]
         if shm is not None:  # every rank has mapped them
             shm.unlink()
 
     def _dead(self, rank: int, doing: str) -> WorkerDiedError:
-        proc = self._procs[rank]
+        """The error for a worker found gone; what it said before it went (a start-up traceback) included."""
+        proc, conn = self._procs[rank], self._conns[rank]
         proc.join(timeout=1)
+        said = ""
+        try:
+            while conn.poll(0):
+                kind, _, payload = conn.recv()
+                if kind == "error":
+                    said = f": worker {rank} failed to start:\n{payload}" if doing == "starting" else f":\n{payload}"
+        except (EOFError, OSError):
+            pass
         code = proc.exitcode
         how = ("is still running" if code is None else
                f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        return WorkerDiedError(f"worker {rank} (pid {proc.pid}) {how} while {doing}")
+        return WorkerDiedError(f"worker {rank} (pid {proc.pid}) {how} while {doing}{said}")
 
-    def _receive(self, rank: int, doing: str, step: int):
-        """Worker `rank`'s reply to step `step` (replies to steps the engine gave up on are dropped); any
-        worker found dead while waiting ends the wait."""
-        conn = self._conns[rank]
-        while True:
-            while not conn.poll(POLL_S):
-                for r, proc in enumerate(self._procs):
-                    if not proc.is_alive():
-                        raise self._dead(r, doing)
-            try:
-                kind, tag, payload = conn.recv()
-            except (EOFError, OSError):
-                raise self._dead(rank, doing) from None
-            if tag in (step, -1):
-                return kind, tag, payload
-
-    def _gather(self, doing: str, step: int) -> list:
-        """Every worker's reply to `step`, in rank order. With several ranks, one that fails the step (its
-        collectives timed out: a peer died or hangs) starts a `HANG_GRACE_S` deadline for the others; a
-        rank still silent then is named as hung (`WorkerDiedError`), whichever rank it is."""
-        if len(self._conns) == 1:
-            return [self._receive(0, doing, step)]
+    def _gather(self, doing: str, step: int, startup: bool = False) -> list:
+        """Every worker's reply to `step`, in rank order; any worker found dead ends the wait
+        (`WorkerDiedError`). With several ranks, once one has answered the others get a deadline: a rank
+        whose collectives timed out (a peer died or hangs) reports it after `STEP_TIMEOUT_S`, so the
+        silent one is named as hung `HANG_GRACE_S` later; after any other answer the silent ranks get
+        both (they finish the same step's work). Start-up has no deadline (ranks load at their pace)."""
         replies: dict[int, tuple] = {}
         deadline = None
         while len(replies) < len(self._conns):
             waiting = [r for r in range(len(self._conns)) if r not in replies]
             ready = mp_connection.wait([self._conns[r] for r in waiting], timeout=POLL_S)
-            for r, proc in enumerate(self._procs):
-                if not proc.is_alive():
-                    raise self._dead(r, doing)
             for conn in ready:
                 rank = self._conns.index(conn)
                 try:
@@ -183,33 +176,57 @@ class MultiprocExecutor(Executor):
                 if tag not in (step, -1):
                     continue  # a reply to a step the engine gave up on
                 replies[rank] = (kind, tag, payload)
-                if kind != "ok" and deadline is None:
-                    deadline = time.monotonic() + HANG_GRACE_S
+                if startup and kind != "ready":  # the others may wait for it to join: stop here
+                    raise WorkerDiedError(f"worker {rank} failed to start:\n{payload}")
+                if deadline is None and not startup and len(self._conns) > 1:
+                    timed_out = kind != "ok" and _collective_timeout(payload)
+                    deadline = time.monotonic() + HANG_GRACE_S + (0 if timed_out else STEP_TIMEOUT_S)
+            for r, proc in enumerate(self._procs):
+                if r not in replies and not proc.is_alive():
+                    raise self._dead(r, doing)
             if deadline is not None and time.monotonic() > deadline:
                 rank = next(r for r in range(len(self._conns)) if r not in replies)
+                errors = [p for k, _, p in replies.values() if k != "ok"]
                 raise WorkerDiedError(f"worker {rank} (pid {self._procs[rank].pid}) stopped answering (hung) while "
-                                      f"{doing}; the other ranks' collectives timed out:\n"
-                                      f"{next(p for k, _, p in replies.values() if k != 'ok')}")
+                                      f"{doing}" + (f"; the other ranks' collectives failed:\n{errors[0]}" if errors
+                                                    else ""))
         return [replies[r] for r in range(len(self._conns))]
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._step += 1
+    def _send_all(self, msg: tuple) -> None:
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(("execute", self._step, sched))
+                conn.send(msg)
             except (OSError, ValueError) as e:
                 raise self._dead(rank, f"sending a step ({e})") from None
             except Exception as e:  # noqa: BLE001 - e.g. a value that does not pickle
                 raise ExecutorError(f"the step could not be sent to worker {rank}: {type(e).__name__}: {e}") from e
-        replies = self._gather("running a step", self._step)
+
+    def _fatal(self, e: WorkerDiedError) -> WorkerDiedError:
+        """Several ranks that failed a step together are out of step for good: every later call says so."""
+        if len(self._conns) > 1:
+            self._broken = str(e)
+        return e
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self._broken is not None:
+            raise WorkerDiedError(f"the tensor-parallel ranks are out of step since: {self._broken}")
+        self._step += 1
+        try:
+            self._send_all(("execute", self._step, sched))
+            replies = self._gather("running a step", self._step)
+        except WorkerDiedError as e:
+            raise self._fatal(e) from None
         for rank, (kind, _, payload) in enumerate(replies):
             if kind != "ok":
+                if len(self._conns) > 1:  # a rank that failed a step leaves the others' collectives behind
+                    raise self._fatal(WorkerDiedError(f"worker {rank} failed a step (the ranks cannot go on "
+                                                      f"together):\n{payload}"))
                 raise ExecutorError(f"worker {rank} failed a step:\n{payload}")
         out = replies[0][2]
         for rank, (_, _, other) in enumerate(replies[1:], start=1):
             if _tokens(other) != _tokens(out):
-                raise ExecutorError(f"tensor-parallel rank {rank} sampled other tokens than rank 0: the ranks are out "
-                                    "of step")
+                raise self._fatal(WorkerDiedError(f"tensor-parallel rank {rank} sampled other tokens than rank 0: "
+                                                  "the ranks are out of step"))
         return out
 
     def comm_stats(self) -> list[dict] | None:
@@ -217,10 +234,11 @@ class MultiprocExecutor(Executor):
 
     def call(self, method: str) -> list:
         """Worker method `method()` on every rank (no arguments; plain data back), in rank order."""
+        if self._broken is not None:
+            raise WorkerDiedError(f"the tensor-parallel ranks are out of step since: {self._broken}")
         self._step += 1
-        for conn in self._conns:
-            conn.send(("call", self._step, method))
-        replies = [self._receive(rank, f"answering {method}", self._step) for rank in range(len(self._conns))]
+        self._send_all(("call", self._step, method))
+        replies = self._gather(f"answering {method}", self._step)
         for rank, (kind, _, payload) in enumerate(replies):
             if kind != "ok":
                 raise ExecutorError(f"worker {rank} failed {method}:\n{payload}")
@@ -228,6 +246,12 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _collective_timeout(traceback_text) -> bool:
+    """Whether a rank's failed step is its collectives timing out (a peer died or hangs)."""
+    text = str(traceback_text)
+    return "did not arrive within" in text or "Timed out" in text or "timed out" in text
 
 
 def _tokens(out: ModelRunnerOutput) -> dict[int, list[int]]:
