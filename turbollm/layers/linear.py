@@ -155,12 +155,14 @@ class RowParallelLinear(LinearBase):
         super().__init__(size, out_features, bias and tp.tp_rank == 0, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
-        expected = (param.shape[0], self.total_in) if param.dim() == 2 else tuple(param.shape)
+        # the parameter's columns may be packed (GPTQ/AWQ codes, 3-bit ones too): scale the input range to them
+        cols = param.shape[1] if param.dim() == 2 else 0
+        expected = (param.shape[0], cols * self.total_in // self.in_features) if param.dim() == 2 else tuple(param.shape)
         if tuple(loaded.shape) != expected:
             raise WeightLoadError(f"row-parallel weight: checkpoint shape {tuple(loaded.shape)} does not match "
                                   f"the model's {expected}")
         if param.dim() == 2 and self.tp.tp_size > 1:
-            size, start = param.shape[1], self.in_start
+            size, start = cols, self.in_start * cols // self.in_features
             if isinstance(loaded, QuantizedTensor) and (start % loaded.block_size or size % loaded.block_size):
                 loaded = reencode_columns(loaded, start, size)
             else:
