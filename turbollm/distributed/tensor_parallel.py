@@ -8,7 +8,7 @@ of the row-parallel projections are summed by an all-reduce at the step's `Layer
 (after the attention output projection and after the MLP down projection), which the module path
 and the fused C++ step both call; the embedding's rows are all-reduced (each rank looks up the ids
 in its range) and the LM head's logits all-gathered, so every rank holds the same logits and samples
-the same tokens (every rank seeds torch alike: sampling draws stay in step).
+the same tokens (the ranks' samplers share one seed: their draws stay in step).
 """
 
 from __future__ import annotations
