@@ -195,3 +195,18 @@ def test_shards_split_on_block_boundaries():
     assert sum(n for _, n in parts) == 8960 and all(n % 256 == 0 for _, n in parts)
     with pytest.raises(ValueError):
         ParallelState(2, 0).shard(100, 32)
+
+
+def test_gptq_act_order_folder_is_refused_with_its_reason(tiny, tmp_path):
+    """An act-order permutation spans every input column: no rank can hold a slice of it. The ranks say so at
+    start-up (before: a shape mismatch deep in the loader)."""
+    from quant_tiny import calibration_text
+    from turbollm.quantize.methods import QuantizeOptions
+    from turbollm.quantize.runner import run_quantize
+
+    out = tmp_path / "gptq"
+    run_quantize(QuantizeOptions(str(tiny["qwen2"]), "gptq", out, group_size=32, act_order=True, calib_samples=8,
+                                 calib_seq_len=64, calib_data=str(calibration_text(tmp_path / "calib.txt")),
+                                 progress=False), log=lambda s: None)
+    with pytest.raises(ExecutorError, match="failed to start(.|\n)*cannot split a GPTQ act-order checkpoint"):
+        LLMEngine(EngineArgs(model=str(out), threads=2, tensor_parallel_size=2))

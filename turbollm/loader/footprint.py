@@ -33,7 +33,7 @@ def unique_bytes(params) -> int:
 
 
 def model_footprint(loaded) -> ModelFootprint:
-    """Count a `LoadedModel`."""
+    """Count a `LoadedModel` (a tensor-parallel rank's: its shard of every matrix and of the vocabulary)."""
     from turbollm.layers.embedding import LMHead, VocabEmbedding
     from turbollm.layers.linear import LinearBase
 
@@ -43,7 +43,7 @@ def model_footprint(loaded) -> ModelFootprint:
         if isinstance(m, LinearBase):
             linear += m.in_features * m.out_features
         elif isinstance(m, LMHead):
-            lm_head += m.vocab_size * m.dim  # logical size: the table may be raw GGML blocks
+            lm_head += m.local_vocab * m.dim  # this rank's rows; logical size: the table may be raw GGML blocks
             head_ptrs.add(m.weight.data_ptr())
         elif isinstance(m, VocabEmbedding):
             embed_tables.append(m.weight)

@@ -110,6 +110,12 @@ class Int4LinearMethod(LinearMethod):
         return g
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        from turbollm.distributed import get_tp
+
+        if get_tp().tp_size > 1 and (self.act_order or self.group_size <= 0):
+            raise InvalidRequestError("tensor parallelism cannot split a GPTQ act-order checkpoint or one with a "
+                                      "single group per row (their permutation or scale spans every input): "
+                                      "load it with tensor_parallel_size 1")
         g = self._group(in_features)
         layer.int4_group_size = g
         layer.int4_storage_bits = storage_bits(self.bits)
