@@ -101,6 +101,22 @@ def needs_kernels():
 TEST_EXTRA_MODULES = ("transformers", "httpx", "openai", "schemathesis")
 
 
+def step_after_signal(engine, rank: int, sig: int, match: str) -> None:
+    """Send `sig` to the engine's worker process `rank`, then run a step: it must raise `WorkerDiedError`
+    matching `match` within 10 s (a dead or hung worker is named, never waited on)."""
+    import time
+
+    from turbollm import SamplingParams
+    from turbollm.engine.executor.base import WorkerDiedError
+
+    os.kill(engine.executor._procs[rank].pid, sig)
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), "r")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=match):
+        engine.step()
+    assert time.monotonic() - t0 < 10
+
+
 def pytest_sessionstart(session):
     if not strict_mode():
         return

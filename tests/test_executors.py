@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from conftest import catalog_model_path
+from conftest import catalog_model_path, step_after_signal
 from quant_tiny import build_tiny
 from turbollm import SamplingParams
 from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor.base import ExecutorError, WorkerDiedError
+from turbollm.engine.executor.base import ExecutorError
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.engine.scheduler_output import SchedulerOutput
 
@@ -118,12 +118,7 @@ def test_a_worker_that_fails_a_step_is_reported_and_keeps_serving(tiny):
 def test_a_dead_worker_is_named_within_seconds(tiny):
     engine = LLMEngine(EngineArgs(model=tiny, threads=1, distributed_executor_backend="mp"))
     try:
-        os.kill(engine.executor._procs[0].pid, signal.SIGKILL)
-        engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), "r")
-        t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=r"worker 0 \(pid \d+\) was killed by signal 9 while"):
-            engine.step()
-        assert time.monotonic() - t0 < 10
+        step_after_signal(engine, 0, signal.SIGKILL, r"worker 0 \(pid \d+\) was killed by signal 9 while")
     finally:
         engine.shutdown()
 

@@ -218,7 +218,7 @@ def test_siblings_and_concurrent_requests_through_the_server(tiny_llama):
     import asyncio
     import re
 
-    httpx = pytest.importorskip("httpx")
+    import httpx
     from turbollm.engine.engine_args import EngineArgs
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.entrypoints.async_engine import AsyncLLMEngine

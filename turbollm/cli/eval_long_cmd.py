@@ -132,8 +132,7 @@ def settings(ns: argparse.Namespace) -> list[KVSetting]:
     out = []
     for policy, dtype in itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]):
         sinks = (ns.attention_sinks or [None]) if "sinks" in get_kv_policy(policy).options else [None]
-        out += [kv_setting(policy, dtype, s, ns.kv_window, ns.kv_recent_window, getattr(ns, "kv_budget", None))
-                for s in sinks]
+        out += [kv_setting(policy, dtype, s, ns.kv_window, ns.kv_recent_window, ns.kv_budget) for s in sinks]
     return out
 
 
@@ -183,11 +182,11 @@ def run_stream_ppl(ns: argparse.Namespace) -> int:
             raise EvalError(f"{flag} does not apply to --stream (one request through the engine, no reference)")
     if ns.ctx < 2:
         raise EvalError(f"--ctx must be >= 2 with --stream, got {ns.ctx}")
+    if ns.segments < 1:
+        raise EvalError(f"--segments must be >= 1, got {ns.segments}")
     _check_settings(ns)
     text = load_text(ns.data or str(default_data_path()))
     bucket = ns.bucket or max(1, ns.ctx // 16)
-    if ns.segments < 1:
-        raise EvalError(f"--segments must be >= 1, got {ns.segments}")
     record = {"model": ns.model, "stream_tokens": ns.ctx, "segments": ns.segments, "bucket": bucket,
               "quantization": ns.quantization,
               "max_num_batched_tokens": chunk(ns),

@@ -23,18 +23,17 @@ failure of the forward pass itself cannot be pinned on a request and is raised.
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import time
 from typing import Any
 
 import torch
 
+from turbollm.distributed.tensor_parallel import check_tensor_parallel
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
 from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
-from turbollm.distributed.tensor_parallel import check_tensor_parallel
 from turbollm.engine.kv_policy import get_kv_policy
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
@@ -61,22 +60,26 @@ class LLMEngine:
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
         spec = args.speculative_config
-        if spec is not None and spec.method == "draft_model":  # a draft that cannot serve fails before any load
-            check_draft_model(spec.model, loaded or describe_model(args.model, quantization=args.quantization),
-                              spec.quantization)
-        if loaded is None and get_kv_policy(args.kv_policy).evicts:  # a model it cannot take fails before loading
-            KVCacheConfig.for_model(describe_model(args.model, quantization=args.quantization).config, 1,
-                                    args.block_size, policy=args.kv_policy_config())
-        if args.distributed_executor_backend == "uni":
+        draft = spec is not None and spec.method == "draft_model"
+        kv_policy = get_kv_policy(args.kv_policy)
+        uni = args.distributed_executor_backend == "uni"
+        # the model's config and tokenizer without its weights, read once, where something needs them
+        # before (or instead of) loading: the checks below, or worker processes that load it themselves
+        desc = loaded
+        if desc is None and (draft or kv_policy.evicts or not uni):
+            desc = describe_model(args.model, quantization=args.quantization)
+        if draft:  # a draft that cannot serve fails before any load
+            check_draft_model(spec.model, desc, spec.quantization)
+        if kv_policy.evicts:  # a model the policy cannot take fails before loading
+            KVCacheConfig.for_model(desc.config, 1, args.block_size, policy=args.kv_policy_config())
+        if uni:
             if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
                 torch.set_num_threads(args.threads)
             loaded = loaded or load_model(args.model, quantization=args.quantization)
             desc = loaded
-        else:  # the workers load the weights; this process needs the config and the tokenizer
-            if loaded is not None:
-                raise InvalidRequestError("a model loaded in this process cannot be handed to a worker process; "
-                                          "pass the model's name (the worker loads it)")
-            desc = describe_model(args.model, quantization=args.quantization)
+        elif loaded is not None:  # the workers load the weights; this process needs the config and the tokenizer
+            raise InvalidRequestError("a model loaded in this process cannot be handed to a worker process; "
+                                      "pass the model's name (the worker loads it)")
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved
         tp = args.tensor_parallel_size
@@ -87,7 +90,7 @@ class LLMEngine:
             self.config, num_kv_heads=max(1, self.config.num_kv_heads // tp))
         policy = args.kv_policy_config()
         trained = self.config.max_position_embeddings
-        if get_kv_policy(policy.name).releases_all:  # every position meets keys at most a window away
+        if kv_policy.releases_all:  # every position meets keys at most a window away
             model_len = args.max_model_len or trained
         else:
             model_len = min(args.max_model_len or trained, trained)
@@ -104,16 +107,16 @@ class LLMEngine:
         self.kv_config = KVCacheConfig.from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
                                                    policy, args.max_num_seqs, self._batched_tokens(args),
                                                    spec_tokens, args.kv_recent_window or 0)
-        evicts = get_kv_policy(policy.name).evicts  # an evicted table no longer matches its prompt's block keys
-        caching = args.enable_prefix_caching and not evicts
+        # an evicted table no longer matches its prompt's block keys: no prefix caching under eviction
+        caching = args.enable_prefix_caching and not kv_policy.evicts
         self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=caching)
         held = self.kv_config.num_tokens
         logger.info("KV cache: %s, %.0f MiB (%s; %s; prefix caching %s)",
                     f"{self.kv_config.num_blocks} blocks of {args.block_size} tokens = {held} tokens" if held
-                    else "sequences of any length at flat memory" if get_kv_policy(policy.name).releases_all
+                    else "sequences of any length at flat memory" if kv_policy.releases_all
                     else "each sequence within its budget", self.kv_config.total_bytes / (1 << 20),
                     self.kv_config.format_name, self.kv_config.describe(),
-                    "on" if caching else f"off: kv_policy {policy.name!r} evicts" if evicts else "off")
+                    "on" if caching else f"off: kv_policy {policy.name!r} evicts" if kv_policy.evicts else "off")
         if self.kv_config.recent_slots and held is not None:
             float16 = KVCacheConfig.for_model(kv_model, 1, args.block_size, torch.float16).bytes_per_token
             logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "

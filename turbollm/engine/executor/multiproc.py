@@ -124,23 +124,20 @@ class MultiprocExecutor(Executor):
         self._broken: str | None = None  # several ranks: why they can no longer run steps together
         try:
             replies = self._gather("starting", 0, startup=True)
-        except WorkerDiedError as e:
+        except ExecutorError as e:  # a worker that said why (ExecutorError), or died without a word
             self.shutdown()
-            if "failed to start" in str(e):
-                raise ExecutorError(str(e)) from None
+            if not isinstance(e, WorkerDiedError):
+                raise
             raise WorkerDiedError(f"{e}; a script that starts an engine with worker processes needs "
                                   "`if __name__ == '__main__':` around its top level (multiprocessing's "
                                   "spawn re-imports it)") from None
-        for rank, (kind, _, payload) in enumerate(replies):
-            if kind != "ready":
-                self.shutdown()
-                raise ExecutorError(f"worker {rank} failed to start:\n{payload}")
         self.footprint = replies[0][2]
         if shm is not None:  # every rank has mapped them
             shm.unlink()
 
-    def _dead(self, rank: int, doing: str) -> WorkerDiedError:
-        """The error for a worker found gone; what it said before it went (a start-up traceback) included."""
+    def _dead(self, rank: int, doing: str) -> ExecutorError:
+        """The error for a worker found gone: `WorkerDiedError`, with what it said before it went; at start-up,
+        a worker that said why it could not start is an `ExecutorError` with its traceback."""
         proc, conn = self._procs[rank], self._conns[rank]
         proc.join(timeout=1)
         said = ""
@@ -148,7 +145,9 @@ class MultiprocExecutor(Executor):
             while conn.poll(0):
                 kind, _, payload = conn.recv()
                 if kind == "error":
-                    said = f": worker {rank} failed to start:\n{payload}" if doing == "starting" else f":\n{payload}"
+                    if doing == "starting":
+                        return _start_failure(rank, payload)
+                    said = f":\n{payload}"
         except (EOFError, OSError):
             pass
         code = proc.exitcode
@@ -177,7 +176,7 @@ class MultiprocExecutor(Executor):
                     continue  # a reply to a step the engine gave up on
                 replies[rank] = (kind, tag, payload)
                 if startup and kind != "ready":  # the others may wait for it to join: stop here
-                    raise WorkerDiedError(f"worker {rank} failed to start:\n{payload}")
+                    raise _start_failure(rank, payload)
                 if deadline is None and not startup and len(self._conns) > 1:
                     timed_out = kind != "ok" and _collective_timeout(payload)
                     deadline = time.monotonic() + HANG_GRACE_S + (0 if timed_out else STEP_TIMEOUT_S)
@@ -246,6 +245,10 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _start_failure(rank: int, traceback_text) -> ExecutorError:
+    return ExecutorError(f"worker {rank} failed to start:\n{traceback_text}")
 
 
 def _collective_timeout(traceback_text) -> bool:
