@@ -128,16 +128,18 @@ def test_a_rank_that_cannot_start_says_why(tiny):
     assert time.monotonic() - t0 < 60
 
 
-def test_server_answers_a_clean_error_when_a_rank_dies_mid_request(tiny):
-    """`turbollm serve` with 2 ranks: rank 1 killed at the 6th step of a streamed request; the stream ends
-    with an error naming it within 10 s, /health says 503, and a new request is refused with 503."""
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_server_answers_a_clean_error_when_a_rank_dies_mid_request(tiny, parallel):
+    """`turbollm serve` with 2 ranks (tensor-parallel, or two pipeline stages): rank 1 killed at the 6th step
+    of a streamed request; the stream ends with an error naming it within 10 s, /health says 503, and a new
+    request is refused with 503."""
     import asyncio
 
     import httpx
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
     from turbollm.server.app import ServerSettings, build_app
 
-    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2))
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, **parallel))
     steps, t_kill = [0], [0.0]
     execute = engine.executor.execute_model
 

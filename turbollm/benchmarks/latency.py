@@ -48,7 +48,7 @@ def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
         rid = engine.add_request({"prompt_token_ids": ids}, params)
         counts[rid], lengths[rid] = 0, len(ids)
     ttft, prefill_steps, decode_steps, decode_tokens, contexts = None, 0, [], 0, []
-    comm = [engine.executor.comm_stats()]  # tensor parallelism: each rank's collectives, at the phase ends
+    comm = [engine.executor.comm_stats()]  # parallel ranks: each one's collectives and sends, at the phase ends
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         outs = engine.step()
@@ -80,27 +80,41 @@ def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def _collectives(iters: list[dict]) -> dict | None:
-    """Time in collectives per rank (the slowest rank's), per prefill and per decode step, beside the step
-    times: what tensor parallelism spends talking instead of computing."""
+    """Time in collectives and pipeline sends per rank (the slowest rank's), per prefill and per decode
+    step, beside the step times: what tensor and pipeline parallelism spend talking instead of computing.
+    A stage's receive time is its wait for the stage before: transfer and the other stage's compute."""
     if iters[0]["comm"] is None:
         return None
 
     def delta(r: dict, a: int, b: int, key: str) -> list[float]:
         return [y[key] - x[key] for x, y in zip(r["comm"][a], r["comm"][b])]
 
-    prefill = [max(delta(r, 0, 1, "seconds")) for r in iters]
-    decode = [max(delta(r, 1, 2, "seconds")) for r in iters]
+    def worst(key: str, a: int, b: int) -> list[float]:
+        return [max(delta(r, a, b, key)) for r in iters]
+
+    prefill, decode = worst("seconds", 0, 1), worst("seconds", 1, 2)
     steps = sum(len(r["decode_steps"]) for r in iters)
     decode_time = sum(sum(r["decode_steps"]) for r in iters)
-    calls = sum(delta(r, 1, 2, "calls")[0] for r in iters)
-    nbytes = sum(delta(r, 1, 2, "bytes")[0] for r in iters)
-    return {"ranks": len(iters[0]["comm"][0]),
-            "prefill_collective_ms": round(1000 * statistics.mean(prefill), 2),
-            "prefill_collective_share": round(sum(prefill) / sum(r["ttft"] for r in iters), 3),
-            "decode_collective_ms_per_step": round(1000 * sum(decode) / steps, 3),
-            "decode_collective_share": round(sum(decode) / decode_time, 3),
-            "decode_collectives_per_step": round(calls / steps, 1),
-            "decode_collective_bytes_per_step": round(nbytes / steps)}
+    ttft_time = sum(r["ttft"] for r in iters)
+    calls = sum(max(delta(r, 1, 2, "calls")) for r in iters)
+    nbytes = sum(max(delta(r, 1, 2, "bytes")) for r in iters)
+    out = {"ranks": len(iters[0]["comm"][0]),
+           "prefill_collective_ms": round(1000 * statistics.mean(prefill), 2),
+           "prefill_collective_share": round(sum(prefill) / ttft_time, 3),
+           "decode_collective_ms_per_step": round(1000 * sum(decode) / steps, 3),
+           "decode_collective_share": round(sum(decode) / decode_time, 3),
+           "decode_collectives_per_step": round(calls / steps, 1),
+           "decode_collective_bytes_per_step": round(nbytes / steps)}
+    if any(max(delta(r, 0, 2, "sends")) for r in iters):  # pipeline stages
+        sends, recvs = worst("send_seconds", 1, 2), worst("recv_seconds", 1, 2)
+        out |= {"prefill_send_ms": round(1000 * statistics.mean(worst("send_seconds", 0, 1)), 2),
+                "prefill_recv_wait_ms": round(1000 * statistics.mean(worst("recv_seconds", 0, 1)), 2),
+                "decode_send_ms_per_step": round(1000 * sum(sends) / steps, 3),
+                "decode_recv_wait_ms_per_step": round(1000 * sum(recvs) / steps, 3),
+                "decode_recv_wait_share": round(sum(recvs) / decode_time, 3),
+                "decode_sends_per_step": round(sum(max(delta(r, 1, 2, "sends")) for r in iters) / steps, 1),
+                "decode_send_bytes_per_step": round(sum(max(delta(r, 1, 2, "send_bytes")) for r in iters) / steps)}
+    return out
 
 
 def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, output_len: int,
@@ -154,5 +168,5 @@ def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, 
         out["preemptions"] = engine.scheduler.num_preemptions - preempt0
     collectives = _collectives(iters)
     if collectives is not None:
-        out["tensor_parallel"] = collectives
+        out["parallel"] = collectives
     return out

@@ -48,6 +48,7 @@ def run_turbollm_throughput(llm, requests: list[BenchRequest], phys: ModelPhysic
     params = [_greedy(r.output_len) for r in requests]
     preempt0 = getattr(engine.scheduler, "num_preemptions", None)
     hits0 = _prefix_hits(engine)
+    comm0 = engine.executor.comm_stats()  # parallel ranks: each one's collectives and sends so far
     with StepRecorder(engine) as rec:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -94,7 +95,25 @@ def run_turbollm_throughput(llm, requests: list[BenchRequest], phys: ModelPhysic
             **bandwidth_figures(phys, ds, dt, ceilings, steps["decode_kv_bytes"]),
             **compute_figures(phys, steps["decode_tokens"], steps["decode_tokens"], dt, ceilings)}
     res["physics"] = physics
+    if comm0 is not None:
+        res["parallel"] = parallel_figures(comm0, engine.executor.comm_stats(), steps["steps"], elapsed)
     return res
+
+
+def parallel_figures(before: list[dict], after: list[dict], steps: int, elapsed: float) -> dict:
+    """The slowest rank's time in collectives, in sends and waiting on receives over the run, per step and as
+    a share of the run (a receive's wait includes the stage before's compute)."""
+    def worst(key: str) -> float:
+        return max(b[key] - a[key] for a, b in zip(before, after))
+
+    out = {"ranks": len(after)}
+    for key, name in (("seconds", "collective"), ("send_seconds", "send"), ("recv_seconds", "recv_wait")):
+        t = worst(key)
+        out[f"{name}_ms_per_step"] = round(1000 * t / max(1, steps), 3)
+        out[f"{name}_share"] = round(t / elapsed, 3)
+    out["collectives_per_step"] = round(worst("calls") / max(1, steps), 1)
+    out["sends_per_step"] = round(worst("sends") / max(1, steps), 1)
+    return out
 
 
 def side_by_side(turbo: dict, hf_best: dict) -> dict:

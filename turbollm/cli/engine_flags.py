@@ -74,9 +74,19 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--tp-shared-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="tensor-parallel collectives through shared memory between the ranks (default: on; off: "
                         "gloo over loopback for every collective)")
-    p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline parallelism: the layers cut into M stages (each --tensor-parallel-size processes "
+                        "with its layers' weights and KV cache), hidden states sent between them")
+    p.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage (default: balanced by the parameters each stage multiplies "
+                        "with, the LM head counted on the last)")
+    p.add_argument("--pp-microbatches", type=int, default=None,
+                   help="a step's sequences cut into this many micro-batches so the stages overlap (default: one "
+                        "per stage)")
+    p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "torchrun"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
-                        "sending each step to it as plain data")
+                        "sending each step to it as plain data (chosen for you with -tp or -pp > 1); torchrun: "
+                        "ranks torchrun started, on one host or several (chosen for you under torchrun)")
     if speculative:  # (`bench spec` takes several)
         p.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, vLLM's names: '{\"method\": \"ngram\" | \"suffix\" | \"draft_model\", "
@@ -97,4 +107,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_budget=ns.kv_budget,
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
         tensor_parallel_size=ns.tensor_parallel_size, tp_shared_memory=ns.tp_shared_memory,
+        pipeline_parallel_size=ns.pipeline_parallel_size, pp_layer_partition=ns.pp_layer_partition,
+        pp_microbatches=ns.pp_microbatches,
         speculative_config=getattr(ns, "speculative_config", None))

@@ -27,10 +27,12 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     add_ppl(esub)
     add_passkey(esub)
     add_branches(esub)
-    tp = esub.add_parser("tp", help="tensor parallelism against one process: the same greedy tokens (parity margin "
-                                    "rule) on the parity and HumanEval prompts, and each rank's weight bytes")
+    tp = esub.add_parser("tp", help="tensor and pipeline parallelism against one process: the same greedy tokens "
+                                    "(parity margin rule) on the parity and HumanEval prompts, and each rank's "
+                                    "weight bytes")
     tp.add_argument("model", help="catalog name, GGUF file, HF folder or hub id")
     tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    tp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     tp.add_argument("--quantization", default=None, help="weights' linear method (default: the checkpoint's)")
     tp.add_argument("--num-prompts", type=int, default=32, help="HumanEval prompts besides the parity prompts")
     tp.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -72,11 +74,13 @@ def run_tp_cmd(ns: argparse.Namespace) -> int:
     prompts = dict(PARITY_PROMPTS)
     prompts.update({f"humaneval/{i}": p for i, p in enumerate(humaneval_prompts("humaneval", ns.data_dir,
                                                                                  ns.num_prompts))})
-    rep = run_tp_parity(ns.model, prompts, ns.tensor_parallel_size, ns.max_tokens, ns.quantization, ns.threads)
+    rep = run_tp_parity(ns.model, prompts, ns.tensor_parallel_size, ns.max_tokens, ns.quantization, ns.threads,
+                        ns.pipeline_parallel_size)
     d = rep.as_dict()
     whole = rep.weight_bytes_whole
     print(f"== {ns.model} ({ns.quantization or 'checkpoint'} weights), tensor_parallel_size "
-          f"{ns.tensor_parallel_size}: {'PASS' if rep.ok else 'FAIL'} ({rep.seconds:.0f} s; margin {MARGIN})")
+          f"{ns.tensor_parallel_size} x pipeline_parallel_size {ns.pipeline_parallel_size}: "
+          f"{'PASS' if rep.ok else 'FAIL'} ({rep.seconds:.0f} s; margin {MARGIN})")
     print(f"  {len(rep.prompts)} prompts x {ns.max_tokens} greedy tokens: {d['token_exact']} token-exact, "
           f"{sum(p.ok for p in rep.prompts)} within the margin rule; max |logprob diff| on equal prefixes "
           f"{max(p.max_logprob_diff for p in rep.prompts):.2e}")

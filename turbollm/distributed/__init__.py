@@ -1,8 +1,11 @@
-"""Tensor-parallel state of this process: its rank and the group's size (1, rank 0 unless a worker
-process of a tensor-parallel engine set it with `init_tensor_parallel` before building its model).
+"""Parallel state of this process: its tensor-parallel rank and group size, and its pipeline stage
+(1 and rank 0, every layer, unless a worker process of a parallel engine set it with
+`init_parallel` before building its model).
 
 Layers read it when they are built (`layers/linear.py`, `layers/embedding.py`): each rank keeps
-its shard of every weight. The collectives run on `torch.distributed` (gloo on CPU).
+its shard of every weight; the models build only their stage's layers (`holds_layer`) and the
+loader reads only their tensors (`holds_weight`). The collectives and sends run on
+`torch.distributed` (gloo on CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +20,39 @@ class ParallelState:
     # the MLP width is split across ranks in multiples of this (the largest GGML block of the down
     # projections, so no rank's share of them cuts a block; the loader sets it before building)
     mlp_align: int = 1
+    # pipeline parallelism: this process's stage of pp_size, which runs layers layer_start .. layer_end - 1
+    # (layer_end None: to the last); the first stage embeds, the last one norms, projects and samples
+    pp_size: int = 1
+    pp_rank: int = 0
+    layer_start: int = 0
+    layer_end: int | None = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def holds_layer(self, i: int) -> bool:
+        return self.layer_start <= i and (self.layer_end is None or i < self.layer_end)
+
+    def holds_embedding(self, tied: bool) -> bool:
+        """The first stage looks tokens up; the last one projects onto a tied table too."""
+        return self.is_first_stage or (tied and self.is_last_stage)
+
+    def holds_weight(self, hf_name: str, tied: bool) -> bool:
+        """Whether this stage loads checkpoint tensor `hf_name` (Hugging Face naming)."""
+        if self.pp_size == 1:
+            return True
+        if hf_name.startswith("model.layers."):
+            return self.holds_layer(int(hf_name.split(".")[2]))
+        if hf_name.startswith("model.embed_tokens."):
+            return self.holds_embedding(tied)
+        if hf_name.startswith(("lm_head.", "model.norm.")):
+            return self.is_last_stage
+        return True
 
     def shard(self, total: int, align: int = 1) -> tuple[int, int]:
         """This rank's (start, size) of `total` split in multiples of `align`, as evenly as that allows

@@ -32,31 +32,49 @@ _GROUP: list = [None]  # the step's process group (a shorter timeout than the jo
 _SHM: list = [None]  # ranks on one host: the shared-memory exchange (distributed/shm_comm.py), or None
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, shm_files=None) -> None:
-    """Join the gloo group of `size` ranks (rank 0 first) and make this process rank `rank`; with
-    `shm_files` (a `ShmFiles` the engine created), collectives that fit go through shared memory."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-    _GROUP[0] = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
+def init_parallel(rank: int, tp: int, init_method: str, shm_files=None, pp: int = 1,
+                  layers: range | None = None) -> None:
+    """Join the gloo group of `tp` × `pp` ranks (global rank = stage × tp + tp rank) and make this process
+    that rank: its stage's tensor-parallel group (a shorter timeout), its pipeline stage and `layers`.
+    `shm_files` (one `ShmFiles` per stage, created by the engine): collectives that fit go through
+    shared memory."""
+    world = tp * pp
+    if not dist.is_initialized():  # (ranks torchrun started have joined already: distributed/launch.py)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    elif dist.get_world_size() != world:
+        raise RuntimeError(f"{dist.get_world_size()} processes joined, but tensor_parallel_size {tp} x "
+                           f"pipeline_parallel_size {pp} needs {world}")
+    stage, tp_rank = divmod(rank, tp)
+    for s in range(pp):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
                                backend="gloo")
-    if shm_files is not None:
+        if s == stage:
+            _GROUP[0] = group
+    if shm_files is not None and tp > 1:
         from turbollm.distributed.shm_comm import ShmComm
         from turbollm.kernels import get_kernels
 
         kernels = get_kernels()
         if kernels is None:
             raise RuntimeError("the shared-memory all-reduce needs the C++ kernels, which did not build")
-        _SHM[0] = ShmComm(shm_files, rank, kernels, STEP_TIMEOUT_S)
-    set_tp(ParallelState(size, rank))
+        _SHM[0] = ShmComm(shm_files[stage], tp_rank, kernels, STEP_TIMEOUT_S)
+    set_tp(ParallelState(tp, tp_rank, pp_size=pp, pp_rank=stage, layer_start=layers.start if layers else 0,
+                         layer_end=layers.stop if layers else None))
 
 
 @dataclass
 class CommStats:
-    """This rank's time in collectives since it started (what `bench latency` reports per step)."""
+    """This rank's time in collectives and pipeline sends since it started (what the benchmarks report)."""
 
     seconds: float = 0.0
     calls: int = 0
     bytes: int = 0  # payload bytes handed to the collectives (each rank's own tensor)
+    send_seconds: float = 0.0  # pipeline: starting sends and waiting for them to finish
+    sends: int = 0
+    send_bytes: int = 0
+    recv_seconds: float = 0.0  # pipeline: waiting for the stage before (its compute included)
+    recvs: int = 0
 
 
 COMM = CommStats()

@@ -104,6 +104,14 @@ class EngineArgs:
     # tensor-parallel collectives through shared memory (ranks on one host; gloo over loopback otherwise,
     # and for tensors larger than a slot)
     tp_shared_memory: bool = True
+    # pipeline parallelism (distributed/pipeline_parallel.py): the layers cut into M stages, each a group
+    # of tensor_parallel_size processes with its layers' weights and KV cache; hidden states sent between
+    # stages. pp_layer_partition: layers per stage ("12,12"; None: balanced by parameters);
+    # pp_microbatches: a step's sequences cut into this many micro-batches so the stages overlap
+    # (None: one per stage)
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: object = None
+    pp_microbatches: int | None = None
     # speculative decoding (turbollm/spec_decode): vLLM's speculative_config, a dict or its JSON text;
     # parsed into a SpeculativeConfig here (every bad field named before anything loads): "ngram",
     # "suffix" or "draft_model" (a draft model is checked against the target by the engine, unloaded)
@@ -127,11 +135,27 @@ class EngineArgs:
             raise InvalidRequestError(f"qmatmul {self.qmatmul!r}: choose one of {', '.join(QMATMUL_PATHS)}")
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            self.distributed_executor_backend = "mp"  # one process per rank
-        if self.distributed_executor_backend not in ("uni", "mp"):
+        if self.pipeline_parallel_size < 1:
+            raise InvalidRequestError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            raise InvalidRequestError(f"pp_microbatches must be >= 1, got {self.pp_microbatches}")
+        from turbollm.distributed.pipeline_parallel import parse_partition
+
+        self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        from turbollm.distributed.launch import torchrun_rank
+
+        if self.world_size > 1:  # one process per rank: spawned here, or started by torchrun
+            self.distributed_executor_backend = "torchrun" if torchrun_rank() is not None else "mp"
+        elif self.distributed_executor_backend == "torchrun":
+            raise InvalidRequestError("distributed_executor_backend 'torchrun' takes ranks torchrun started: run under "
+                                      "torchrun with tensor_parallel_size x pipeline_parallel_size > 1")
+        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise InvalidRequestError(f"pp_layer_partition gives {len(self.pp_layer_partition)} stages, "
+                                      f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend not in ("uni", "mp", "torchrun"):
             raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
-                                      "'uni' (the worker in this process) or 'mp' (a worker process)")
+                                      "'uni' (the worker in this process), 'mp' (worker processes) or 'torchrun' "
+                                      "(ranks torchrun started)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
         from turbollm.engine.kv_policy import check_kv_policy, get_kv_policy
 
@@ -142,9 +166,15 @@ class EngineArgs:
                                       "block table, whose released blocks it would need); use method 'ngram' or "
                                       "'suffix'")
         self._check_quantized_kv()
-        if self.tensor_parallel_size > 1 and self.quantization == "int8":
+        if self.world_size > 1 and self.quantization == "int8":
             raise InvalidRequestError("quantization 'int8' equalizes channels on a calibration pass that does not "
-                                      "run sharded yet: with tensor_parallel_size > 1 use 'int8-rtn' (or int4)")
+                                      "run sharded yet: with tensor_parallel_size or pipeline_parallel_size > 1 use "
+                                      "'int8-rtn' (or int4)")
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
+            raise InvalidRequestError("pipeline_parallel_size > 1 does not take speculative decoding yet")
+        if self.pipeline_parallel_size > 1 and get_kv_policy(self.kv_policy).evicts:
+            raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take pipeline_parallel_size > 1 yet "
+                                      "(its attention scores would have to be summed over the stages)")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None \
                 and self.speculative_config.method == "draft_model":
             raise InvalidRequestError("tensor_parallel_size > 1 does not take a draft model yet (method 'ngram' or "
@@ -156,6 +186,11 @@ class EngineArgs:
             if self.kv_cache_dtype in QUANTIZED_KV:
                 raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take kv_cache_dtype "
                                           f"{self.kv_cache_dtype!r} (its scores are computed over float K/V)")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes: tensor_parallel_size × pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _check_quantized_kv(self) -> None:
         quantized = self.kv_cache_dtype in QUANTIZED_KV

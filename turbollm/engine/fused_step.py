@@ -21,8 +21,9 @@ tables. Decodes, and steps where no sequence brings more than 8 new tokens (a pr
 cached prefix, speculative verification), attend with the decode kernel (one decode per new token:
 row invariance); steps with longer runs of new tokens (short prompts, chunks) with the tiled one, as
 the module path does.
-Otherwise `forward` returns None and the runner takes the module path, unchanged. A range of
-layers can run alone (`start`, `end`, with the residual stream coming in): a pipeline stage's.
+Otherwise `forward` returns None and the runner takes the module path, unchanged. A pipeline stage's
+step holds its layers only (`layers`) and runs them with the residual stream coming in from the stage
+before.
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ KINDS = ("pre_norm", "sandwich")
 
 class FusedDecodeStep:
     def __init__(self, model: nn.Module, kv_caches: list[LayerKVCache], layer_groups: list[int],
-                 hooks: LayerHooks | None = None):
-        self.model, self.kv_caches, self.layer_groups, self.hooks = model, kv_caches, layer_groups, hooks
+                 hooks: LayerHooks | None = None, layers: range | None = None):
+        self.model, self.hooks = model, hooks
+        # the layers it runs: all, or a pipeline stage's range (its KV caches; the others' are None)
+        self.layer_ids = layers if layers is not None else range(len(layer_groups))
+        self.kv_caches = [kv_caches[i] for i in self.layer_ids]
+        self.layer_groups = [layer_groups[i] for i in self.layer_ids]
+        # per group, a layer of it (global index: where the batch keeps its metadata)
         self.group_first_layer = [layer_groups.index(g) for g in range(max(layer_groups) + 1)]
         self.step = None  # the C++ object, built on first use
         self.group_attention: list = []  # the (window, sinks) per group the C++ object was last given
@@ -62,8 +68,8 @@ class FusedDecodeStep:
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, start: int = 0, end: int | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layers start .. end - 1 of the batch, fused: (block output, residual stream), or None when this
-        step cannot take the fused path."""
+        """Its layers start .. end - 1 (counted within `layer_ids`) of the batch, fused: (block output,
+        residual stream), or None when this step cannot take the fused path."""
         meta = batch.attn
         if x.dtype != torch.float32 or x.dim() != 2 or not x.shape[0]:
             return None
@@ -71,7 +77,7 @@ class FusedDecodeStep:
             return None
         if self.unavailable is not None:
             return None
-        layers = self.model.model.layers
+        layers = self._layers()
         if self.step is not None and (self.built_version != self.model.weights_version or any(
                 layer.self_attn.rotary.cos is not cos for layer, cos in zip(layers, self.rope_tables))):
             self.step = None  # new weights, or the module path grew the RoPE tables, since it was built
@@ -114,6 +120,9 @@ class FusedDecodeStep:
         return self.step.forward(x, residual, batch.positions, [m.block_tables for m in metas], lens,
                                  [m.slot_mapping for m in metas], starts, levels, start, end, recent)
 
+    def _layers(self) -> list[nn.Module]:
+        return [self.model.model.layers[i] for i in self.layer_ids]
+
     def _set_hooks(self) -> None:
         hooks = self.hooks or LayerHooks()
         self.step.set_hooks(hooks.attn_out, hooks.mlp_out)
@@ -128,7 +137,7 @@ class FusedDecodeStep:
                 c.layout.quant is None and (c.k.dtype not in (torch.float32, torch.float16) or c.k.dtype != c.v.dtype)
                 for c in self.kv_caches):
             reason = "a KV-cache format without fused kernels"
-        layers = self.model.model.layers
+        layers = self._layers()
         specs = []
         for layer in ([] if reason else layers):
             spec, reason = _layer_spec(layer)

@@ -308,10 +308,12 @@ def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max
                                    max_num_batched_tokens, spec_tokens, recent_window).total_bytes
 
 
-def allocate_kv_storage(config: KVCacheConfig) -> list[LayerKVCache]:
-    """Each layer's zeroed K/V storage, its group's blocks of its group's layout."""
+def allocate_kv_storage(config: KVCacheConfig, layers: range | None = None) -> list[LayerKVCache | None]:
+    """Each layer's zeroed K/V storage, its group's blocks of its group's layout; with `layers` (a
+    pipeline stage's), those layers' only (None for the others)."""
     out: list[LayerKVCache | None] = [None] * config.num_layers
     for gi, g in enumerate(config.groups):
         for layer in g.layer_ids:
-            out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi), config.recent_slots)
+            if layers is None or layer in layers:
+                out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi), config.recent_slots)
     return out

@@ -22,8 +22,8 @@ from turbollm.engine.kv_cache import NULL_BLOCK
 
 class RecentRings:
     def __init__(self, kv_caches: list[LayerKVCache], layer_groups: list[int], num_slots: int):
-        self.kv_caches = kv_caches
-        lay = next(c.layout for c in kv_caches)
+        self.kv_caches = [c for c in kv_caches if c is not None]  # a pipeline stage holds its layers' only
+        lay = next(c.layout for c in self.kv_caches)
         self.window, self.block_size = lay.recent_window, lay.block_size
         self.free = list(range(num_slots - 1, -1, -1))
         self.group_first_layer = [layer_groups.index(g) for g in range(max(layer_groups) + 1)]

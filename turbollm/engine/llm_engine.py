@@ -29,9 +29,12 @@ from typing import Any
 
 import torch
 
+from turbollm.distributed.launch import torchrun_rank
+from turbollm.distributed.pipeline_parallel import check_pipeline_parallel, partition_layers
 from turbollm.distributed.tensor_parallel import check_tensor_parallel
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
+from turbollm.engine.executor.torchrun import run_worker
 from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
 from turbollm.engine.kv_policy import get_kv_policy
@@ -56,6 +59,9 @@ logger = init_logger()
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        if args.distributed_executor_backend == "torchrun" and torchrun_rank():
+            ok = run_worker()  # a rank > 0 that torchrun started: a worker of rank 0's engine, until it stops
+            raise SystemExit(0 if ok else 1)
         self.args = args
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
@@ -84,6 +90,11 @@ class LLMEngine:
         self.resolved = desc.resolved
         tp = args.tensor_parallel_size
         check_tensor_parallel(self.config, tp)
+        if args.pipeline_parallel_size > 1:  # the stages' layers, resolved once: every rank reads the same
+            check_pipeline_parallel(self.config, args.pipeline_parallel_size)
+            stages = partition_layers(self.config, args.pipeline_parallel_size, args.pp_layer_partition)
+            self.args = args = dataclasses.replace(args, pp_layer_partition=[len(r) for r in stages])
+            logger.info("pipeline parallelism: %d stages of %s layers", len(stages), "+".join(str(len(r)) for r in stages))
         # the KV cache is described per rank: each rank keeps its share of the KV heads (all of them when
         # there are fewer heads than ranks: each is then kept by several ranks)
         kv_model = self.config if tp == 1 else dataclasses.replace(

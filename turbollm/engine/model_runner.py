@@ -15,6 +15,7 @@ rows of requests that ask for them. Output: `ModelRunnerOutput`, plain data.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -55,19 +56,26 @@ class ModelRunner:
                  backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None,
                  layer_groups: list[int] | None = None, hooks: LayerHooks | None = None,
                  group_attention: list[tuple[int | None, int]] | None = None, recent_slots: int = 0,
-                 score_rows: int = 0):
+                 score_rows: int = 0, layers: range | None = None, microbatches: int = 1):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
+        # the layers this runner runs: all, or its pipeline stage's (whose KV caches it alone holds)
+        self.layers = layers if layers is not None else range(len(kv_caches))
+        self.pipeline = None
+        if layers is not None and len(layers) < len(kv_caches):
+            from turbollm.engine.pipeline_stage import PipelineStage
+
+            self.pipeline = PipelineStage(self, microbatches)
         self.num_groups = max(self.layer_groups) + 1
         # per group, the (window, sinks) its KV policy sets (KVCacheConfig.group_attention)
         self.group_attention = group_attention or [(None, 0)] * self.num_groups
         self.hooks = hooks
         self.score_rows = score_rows  # an eviction policy: each sequence's last rows whose attention is scored
         # decode steps and steps of a few tokens may run their layers in one C++ call (None: always the modules)
-        self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks) if fused_decode else None
+        self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks, layers) if fused_decode else None
         self.sampler = Sampler(seed)
         self.states: dict[int, SeqState] = {}
-        quantized = any(c.layout.quant for c in kv_caches)  # int8 / int4 K/V: each sequence's float16 ring
+        quantized = any(c.layout.quant for c in kv_caches if c is not None)  # int8 / int4 K/V: each sequence's float16 ring
         self.rings = RecentRings(kv_caches, self.layer_groups, recent_slots) if quantized else None
 
     # ------------------------------------------------------------------ state from the diffs
@@ -124,13 +132,15 @@ class ModelRunner:
                                    block_ids=tuple(list(b) for b in parent.block_ids))
 
     # ------------------------------------------------------------------ the step
-    def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
+    def prepare(self, sched: SchedulerOutput, items: list | None = None) -> ForwardBatch:
+        """The batch of `items` ((seq id, new tokens) pairs; all the step's when None)."""
+        items = list(sched.scheduled_token_ids.items()) if items is None else items
         ids, pos, qsl, seq_lens, scored = [], [], [0], [], []
         groups = range(self.num_groups)
         slots: list[list[int]] = [[] for _ in groups]
         tables: list[list[list[int]]] = [[] for _ in groups]
         bs = self.block_size
-        for sid, tokens in sched.scheduled_token_ids.items():
+        for sid, tokens in items:
             st = self.states[sid]
             c, n = st.num_computed_tokens, len(tokens)
             ids.extend(tokens)
@@ -146,8 +156,8 @@ class ModelRunner:
         metas = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.int64), qsl, seq_lens, _table_tensor(tables[g]),
                                    bs, *self.group_attention[g]) for g in groups]
         if self.rings is not None:
-            step = [self.states[sid] for sid in sched.scheduled_token_ids]
-            for meta, recent in zip(metas, self.rings.meta(step, [len(t) for t in sched.scheduled_token_ids.values()])):
+            step = [self.states[sid] for sid, _ in items]
+            for meta, recent in zip(metas, self.rings.meta(step, [len(t) for _, t in items])):
                 meta.recent = recent
         if self.score_rows:
             mass = KeyMass(scored, torch.zeros(len(seq_lens), max(len(t) for t in tables[0])))
@@ -160,11 +170,15 @@ class ModelRunner:
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the batch's new tokens: the layers fused when the step allows it, else the modules."""
-        x = self.model.embed(batch.input_ids)
-        out = self.fused.forward(x, batch) if self.fused is not None else None
+        return self.model.final_norm(*self.run_layers(self.model.embed(batch.input_ids), batch))
+
+    def run_layers(self, x: torch.Tensor, batch: ForwardBatch,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This runner's layers (all, or its pipeline stage's): (block output, residual stream)."""
+        out = self.fused.forward(x, batch, residual=residual) if self.fused is not None else None
         if out is None:
-            out = self.model.run_layers(x, batch)
-        return self.model.final_norm(*out)
+            out = self.model.run_layers(x, batch, self.layers.start, self.layers.stop, residual)
+        return out
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Copy-on-write: duplicate the K/V of block src into block dst in every layer of the group."""
@@ -172,7 +186,7 @@ class ModelRunner:
             src = torch.tensor([c[1] for c in copies if c[0] == g])
             dst = torch.tensor([c[2] for c in copies if c[0] == g])
             for layer, cache in enumerate(self.kv_caches):
-                if self.layer_groups[layer] == g:
+                if self.layer_groups[layer] == g and cache is not None:  # (a pipeline stage: its layers)
                     cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
@@ -182,10 +196,15 @@ class ModelRunner:
         if sched.is_empty:
             return out
         self.copy_blocks(sched.copy_blocks)
-        batch = self.prepare(sched)
-        hidden = self.run_model(batch)
-        qsl = batch.attn.query_start_loc
-        if batch.attn.key_mass is not None:  # each sequence's attention mass per table entry, for its eviction
+        if self.pipeline is not None:  # a pipeline stage: the last one gets the hidden states, the others None
+            hidden = self.pipeline.run(sched)
+            qsl = list(itertools.accumulate((len(t) for t in sched.scheduled_token_ids.values()), initial=0))
+            batch = None
+        else:
+            batch = self.prepare(sched)
+            hidden = self.run_model(batch)
+            qsl = batch.attn.query_start_loc
+        if batch is not None and batch.attn.key_mass is not None:  # each sequence's attention mass per table entry, for its eviction
             km = batch.attn.key_mass
             if get_tp().tp_size > 1:  # each rank scored its own heads: the sum is every head's
                 from turbollm.distributed.tensor_parallel import all_reduce
@@ -203,7 +222,8 @@ class ModelRunner:
                 verify.append((st, drafts))
                 verify_rows.extend(range(qsl[i], qsl[i + 1]))
                 continue
-            if st.params.prompt_logprobs is not None and st.index == 0 and c < st.num_prompt_tokens - 1:
+            if hidden is not None and st.params.prompt_logprobs is not None and st.index == 0 \
+                    and c < st.num_prompt_tokens - 1:
                 last = min(c + n, st.num_prompt_tokens - 1)  # rows predicting prompt positions c+1 .. last
                 prompt_rows[sid] = (c + 1, hidden[qsl[i]:qsl[i] + (last - c)])
             st.num_computed_tokens = c + n
@@ -217,7 +237,7 @@ class ModelRunner:
                     rows.append(sibling)
                 sample_rows.append(qsl[i + 1] - 1)
                 rows.append(st)
-        if rows or verify:  # one LM-head product and one sampling call for every sampled row of the step
+        if hidden is not None and (rows or verify):  # one LM-head product and one sampling call for every sampled row
             all_rows = rows + [row for st, drafts in verify for row in _verify_rows(st, len(drafts))]
             rewind = {st.seq_id: st.generator.get_state() for st, _ in verify if _draws_own_noise(st)}
             logits = self.model.compute_logits(hidden[sample_rows + verify_rows])

@@ -8,6 +8,8 @@ what a tensor- or pipeline-parallel rank and a remote KV producer will each be.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from turbollm.attention import get_attention_backend
@@ -22,9 +24,9 @@ from turbollm.quantization.base import set_qmatmul
 
 
 class Worker:
-    """`rank` / `init_method`: with tensor_parallel_size N > 1, this worker is rank `rank` of N joined at
-    `init_method` (distributed/tensor_parallel.py) and keeps its shard of the weights and of the KV
-    heads; `sampler_seed` is the seed every rank's sampler shares (so their draws stay in step);
+    """`rank` / `init_method`: with tensor_parallel_size N × pipeline_parallel_size M > 1, this worker is
+    rank `rank` of N × M joined at `init_method` (distributed/tensor_parallel.py): it keeps its shard of
+    the weights and of the KV heads of its stage's layers (distributed/pipeline_parallel.py); `sampler_seed` is the seed every rank's sampler shares (so their draws stay in step);
     `shm_files`: the shared-memory exchange of ranks on one host (distributed/shm_comm.py)."""
 
     def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None, rank: int = 0,
@@ -32,25 +34,30 @@ class Worker:
         from turbollm.loader import load_model
 
         tune_malloc()  # per process: the worker's forward passes are what it is for
-        tp = args.tensor_parallel_size
-        threads = args.threads or (torch.get_num_threads() if tp > 1 else None)  # ranks split the cores
-        if threads:
-            torch.set_num_threads(max(1, threads // tp))
-        hooks = None
-        if tp > 1:
-            from turbollm.distributed.tensor_parallel import all_reduce_hook, init_tensor_parallel
+        tp, world = args.tensor_parallel_size, args.world_size
+        threads = args.threads or (torch.get_num_threads() if world > 1 else None)  # ranks split the cores
+        if threads:  # (of this host: under torchrun, the ranks torchrun started here)
+            torch.set_num_threads(max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        hooks, layers = None, None
+        if world > 1:
+            from turbollm.distributed.tensor_parallel import all_reduce_hook, init_parallel
 
-            init_tensor_parallel(rank, tp, init_method, shm_files)
-            hooks = LayerHooks(attn_out=all_reduce_hook, mlp_out=all_reduce_hook)  # row-parallel partial sums
+            if args.pipeline_parallel_size > 1:  # this rank's stage: its range of layers
+                stage, counts = rank // tp, args.pp_layer_partition
+                layers = range(sum(counts[:stage]), sum(counts[:stage + 1]))
+            init_parallel(rank, tp, init_method, shm_files, args.pipeline_parallel_size, layers)
+            if tp > 1:
+                hooks = LayerHooks(attn_out=all_reduce_hook, mlp_out=all_reduce_hook)  # row-parallel partial sums
         self.rank = rank
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)
         set_qmatmul(self.loaded.model, args.qmatmul)  # this engine's numerics, on its model only
-        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config), args.block_size,
+        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config, layers), args.block_size,
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                                   seed=args.seed if sampler_seed is None else sampler_seed, hooks=hooks,
                                   layer_groups=kv_config.layer_groups,
                                   group_attention=kv_config.group_attention, recent_slots=kv_config.recent_slots,
-                                  score_rows=kv_config.score_rows)
+                                  score_rows=kv_config.score_rows, layers=layers,
+                                  microbatches=args.pp_microbatches or args.pipeline_parallel_size)
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""

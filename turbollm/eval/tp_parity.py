@@ -1,9 +1,10 @@
-"""Tensor parallelism against one process: the same greedy tokens, under the parity margin rule.
+"""Tensor and pipeline parallelism against one process: the same greedy tokens, under the parity margin rule.
 
-The reference is the same model in one process (`tensor_parallel_size=1`), greedy, with the top-2
+The reference is the same model in one process (`tensor_parallel_size=1`, one stage), greedy, with the top-2
 logprobs of every generated token. The tensor-parallel run must give the reference's tokens up to
 the first step where the reference's top-1/top-2 margin is below `parity.MARGIN` (past a near-tie
-the ranks' different summation order may pick the other token), on the parity prompts and the
+the ranks' different summation order may pick the other token; pipeline stages alone sum in the same
+order, but a micro-batch's rows take other kernels' paths than the whole batch's), on the parity prompts and the
 HumanEval prompts given. Also reported: each rank's resident weight bytes against the whole.
 """
 
@@ -33,6 +34,7 @@ class TPParityReport:
     model: str
     quantization: str | None
     tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
     prompts: list[PromptResult] = field(default_factory=list)
     weight_bytes_whole: int = 0
     weight_bytes_per_rank: list[int] = field(default_factory=list)
@@ -55,18 +57,18 @@ def _generate(llm, prompts: list[str], max_tokens: int, top: int):
 
 
 def run_tp_parity(model: str, prompts: dict[str, str], size: int, max_tokens: int = 64,
-                  quantization: str | None = None, threads: int | None = None) -> TPParityReport:
+                  quantization: str | None = None, threads: int | None = None, pp: int = 1) -> TPParityReport:
     from turbollm import LLM
 
     t0 = time.perf_counter()
-    report = TPParityReport(model, quantization, size)
+    report = TPParityReport(model, quantization, size, pp)
     names, texts = list(prompts), list(prompts.values())
     one = LLM(model, quantization=quantization, threads=threads)
     ref = _generate(one, texts, max_tokens, 2)
     report.weight_bytes_whole = one.engine.executor.footprint.weight_bytes
     one.engine.shutdown()
     del one
-    llm = LLM(model, quantization=quantization, threads=threads, tensor_parallel_size=size)
+    llm = LLM(model, quantization=quantization, threads=threads, tensor_parallel_size=size, pipeline_parallel_size=pp)
     try:
         got = _generate(llm, texts, max_tokens, 0)
         report.weight_bytes_per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]

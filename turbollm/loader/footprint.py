@@ -21,6 +21,15 @@ class ModelFootprint:
     weights_storage: str  # e.g. "gguf: Q4_1 66.4 MB, Q8_0 30.1 MB, float32 0.1 MB"
     file_tensor_bytes: int  # tensor bytes in the checkpoint file(s)
 
+    @classmethod
+    def of_stages(cls, stages: list["ModelFootprint"]) -> "ModelFootprint":
+        """A pipeline's footprint: its stages' (one rank of each) together, since a step passes through them
+        all (a tied table held by two stages counts twice: it is)."""
+        return cls(sum(f.weight_bytes for f in stages), sum(f.untied_embedding_bytes for f in stages),
+                   sum(f.linear_params for f in stages), sum(f.lm_head_params for f in stages),
+                   " | ".join(f"stage {i}: {f.weights_storage}" for i, f in enumerate(stages)),
+                   stages[0].file_tensor_bytes)
+
 
 def unique_bytes(params) -> int:
     """Bytes of the tensors `params`, each storage counted once."""

@@ -103,8 +103,9 @@ def _keeps_blocks(t: GGUFTensor) -> bool:
 
 
 def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig, *,
-                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """Yield (HF name, tensor) for every tensor of the file, in file order.
+                      keep_quantized: bool = False, keep=None) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, tensor) for every tensor of the file, in file order (with `keep`, a predicate on
+    the HF name, only the tensors it keeps are decoded).
 
     The tensor is float32, or with `keep_quantized` a `QuantizedTensor` for block-quantized
     matrices. An undecodable type raises UnsupportedTensorTypeError naming file and tensor.
@@ -115,6 +116,8 @@ def iter_gguf_weights(gguf: GGUFFile, cfg: ModelConfig, *,
         target = hf_name(name, cfg.arch)
         if target is None:
             raise WeightLoadError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.arch}")
+        if keep is not None and not keep(target):
+            continue
         try:
             w = quantized_tensor(t) if keep_quantized and _keeps_blocks(t) else dequantize_tensor(t)
         except UnsupportedTensorTypeError as e:

@@ -130,20 +130,24 @@ def load_model(name: str, *, quantization: str | None = None, dtype: torch.dtype
     `quantization` names a linear method (`turbollm.quantization.LINEAR_METHODS`); None: "gguf"
     for a GGUF file (weights stay in its block types), "none" (float32) otherwise.
     """
+    from turbollm.distributed import get_tp
+
     t0 = time.perf_counter()
     o = _open(name, quantization)
     cfg, resolved = o.config, o.resolved
+    stage = get_tp()  # a pipeline stage reads only its layers' tensors
+    keep = None if stage.pp_size == 1 else (lambda n: stage.holds_weight(n, cfg.tie_word_embeddings))
     if resolved.format is CheckpointFormat.GGUF:
         from turbollm.loader.gguf_weights import iter_gguf_weights
 
-        weights = iter_gguf_weights(o.source, cfg, keep_quantized=o.method.accepts_ggml_blocks)
+        weights = iter_gguf_weights(o.source, cfg, keep_quantized=o.method.accepts_ggml_blocks, keep=keep)
         hf_layout, file_bytes = False, o.source.tensor_bytes
         if o.method.accepts_ggml_blocks:
             _align_mlp_shards(o.source)
     else:
         from turbollm.loader.safetensors_weights import iter_checkpoint_weights, safetensors_files
 
-        weights, hf_layout = iter_checkpoint_weights(resolved.path, o.source), True
+        weights, hf_layout = iter_checkpoint_weights(resolved.path, o.source, keep), True
         file_bytes = sum(f.stat().st_size for f in safetensors_files(resolved.path))
     with torch.no_grad():
         model = build_model(cfg, o.method)

@@ -48,27 +48,31 @@ def quantized_checkpoint(folder: Path):
     return read_quantization_config(raw, str(path))
 
 
-def iter_checkpoint_weights(folder: Path, quantized=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder, converted to our layout when the folder is quantized."""
+def iter_checkpoint_weights(folder: Path, quantized=None, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder, converted to our layout when the folder is quantized; with `keep`
+    (a predicate on the tensor's name), only those it keeps are read."""
     from turbollm.quantization.checkpoint_layouts import convert_quantized_stream
 
-    weights = iter_safetensors_weights(folder)
+    weights = iter_safetensors_weights(folder, keep)
     if quantized is None:
         return weights
     layout, cfg = quantized
     return convert_quantized_stream(weights, layout, cfg, str(folder))
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(folder: Path, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    t = f.get_tensor(name)
+                for stored in f.keys():
+                    name = stored
                     if name.startswith("model.language_model."):  # multimodal wrappers
                         name = "model." + name[len("model.language_model."):]
+                    if keep is not None and not keep(name):
+                        continue
+                    t = f.get_tensor(stored)
                     yield name, t.float() if t.is_floating_point() else t
         except ModelFormatError:
             raise

@@ -102,17 +102,38 @@ STACKED_PARAMS = [
 ]
 
 
+class MissingLayer(nn.Module):
+    """A module another pipeline stage holds (`distributed.ParallelState.holds_layer`): no parameters."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module is held by another pipeline stage")
+
+
+def held(present: bool, build) -> nn.Module:
+    """`build()` when this pipeline stage holds the module, else a `MissingLayer`."""
+    return build() if present else MissingLayer()
+
+
+def stage_layers(cfg: ModelConfig, build) -> nn.ModuleList:
+    """The decoder layers, `build(i)` for those this pipeline stage runs and `MissingLayer` for the others
+    (indices stay global: layer i reads KV cache i)."""
+    stage = get_tp()
+    return nn.ModuleList(held(stage.holds_layer(i), lambda i=i: build(i)) for i in range(cfg.num_layers))
+
+
 class CausalLM(nn.Module):
-    """Shell shared by the architectures: `model` (the decoder), `lm_head`, weight loading, logits."""
+    """Shell shared by the architectures: `model` (the decoder), `lm_head`, weight loading, logits. A
+    pipeline stage builds only what it runs (`held`): the first stage the embedding, the last the final
+    norm and the LM head (and the embedding when they are tied), each its own range of layers."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = held(get_tp().is_last_stage, lambda: LMHead(cfg.vocab_size, cfg.hidden_size))
         self.weights_version = 0  # counts load_weights calls (what a built fused step checks)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, LMHead):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -227,8 +248,9 @@ class CausalLM(nn.Module):
         qtype = method.vocab_table_type if method is not None else None
         if qtype is None:
             return
-        self.model.embed_tokens.compress(qtype)
-        if not self.config.tie_word_embeddings:
+        if isinstance(self.model.embed_tokens, VocabEmbedding):
+            self.model.embed_tokens.compress(qtype)
+        if not self.config.tie_word_embeddings and isinstance(self.lm_head, LMHead):
             self.lm_head.compress(qtype)
 
 
@@ -256,5 +278,11 @@ def _expected_shards(layer: nn.Module) -> list | None:
     return None
 
 
-def make_embedding(cfg: ModelConfig) -> VocabEmbedding:
-    return VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+def make_embedding(cfg: ModelConfig) -> nn.Module:
+    """The token embedding (a `MissingLayer` on a pipeline stage that neither looks tokens up nor ties it)."""
+    return held(get_tp().holds_embedding(cfg.tie_word_embeddings), lambda: VocabEmbedding(cfg.vocab_size, cfg.hidden_size))
+
+
+def make_final_norm(cfg: ModelConfig, build) -> nn.Module:
+    """The final norm, on the last pipeline stage only."""
+    return held(get_tp().is_last_stage, build)

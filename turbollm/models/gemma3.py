@@ -14,7 +14,7 @@ from torch import nn
 
 from turbollm.config import ModelConfig
 from turbollm.layers.norm import RMSNorm
-from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
+from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding, make_final_norm, stage_layers
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod
 
@@ -54,8 +54,8 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_scale = cfg.embedding_multiplier
         self.embed_tokens = make_embedding(cfg)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, method) for i in range(cfg.num_layers))
-        self.norm = _norm(cfg)
+        self.layers = stage_layers(cfg, lambda i: Gemma3DecoderLayer(cfg, i, method))
+        self.norm = make_final_norm(cfg, lambda: _norm(cfg))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

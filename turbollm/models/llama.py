@@ -13,7 +13,7 @@ from torch import nn
 
 from turbollm.config import ModelConfig
 from turbollm.layers.norm import RMSNorm
-from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding
+from turbollm.models.common import CausalLM, GatedMLP, SelfAttention, make_embedding, make_final_norm, stage_layers
 from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization import LinearMethod
 
@@ -43,8 +43,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, method: LinearMethod | None):
         super().__init__()
         self.embed_tokens = make_embedding(cfg)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, method) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = stage_layers(cfg, lambda i: LlamaDecoderLayer(cfg, i, method))
+        self.norm = make_final_norm(cfg, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

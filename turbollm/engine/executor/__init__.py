@@ -1,14 +1,18 @@
 """Executors: how the engine reaches its workers. `distributed_executor_backend` names one
-(vLLM's names): "uni", the worker in the engine's process; "mp", one worker process."""
+(vLLM's names): "uni", the worker in the engine's process; "mp", worker processes the engine spawns
+(one, or one per tensor-parallel rank and pipeline stage); "torchrun", ranks torchrun started on one
+host or several (chosen by itself under torchrun)."""
 
 from __future__ import annotations
 
 from turbollm.engine.executor.base import Executor
 from turbollm.engine.executor.multiproc import MultiprocExecutor
+from turbollm.engine.executor.torchrun import TorchrunExecutor
 from turbollm.engine.executor.uniproc import UniProcExecutor
 from turbollm.errors import InvalidRequestError
 
-EXECUTORS: dict[str, type[Executor]] = {"uni": UniProcExecutor, "mp": MultiprocExecutor}
+EXECUTORS: dict[str, type[Executor]] = {"uni": UniProcExecutor, "mp": MultiprocExecutor,
+                                        "torchrun": TorchrunExecutor}
 
 
 def get_executor_class(name: str) -> type[Executor]:
@@ -19,4 +23,4 @@ def get_executor_class(name: str) -> type[Executor]:
                                   f"{', '.join(EXECUTORS)}") from None
 
 
-__all__ = ["EXECUTORS", "Executor", "MultiprocExecutor", "UniProcExecutor", "get_executor_class"]
+__all__ = ["EXECUTORS", "Executor", "MultiprocExecutor", "TorchrunExecutor", "UniProcExecutor", "get_executor_class"]

@@ -1,15 +1,18 @@
 """Worker processes (spawned, so they share no threads or locks with the engine), each reached through
 a pipe: the step's `SchedulerOutput` goes over pickled, the `ModelRunnerOutput` comes back, both
-tagged with the step's number. One worker, or with `tensor_parallel_size` N > 1 one per rank: the
-ranks join a gloo group at a free local port the engine picked (`distributed/tensor_parallel.py`),
-every rank runs every step, and rank 0's output is the step's (the others' sampled tokens are
-checked against it: the ranks must agree).
+tagged with the step's number. One worker, or with `tensor_parallel_size` N × `pipeline_parallel_size`
+M > 1 one per rank: the ranks join a gloo group at a free local port the engine picked
+(`distributed/tensor_parallel.py`), every rank runs every step, and the first rank of the last
+pipeline stage gives the step's output (the other ranks of that stage sample too, and their tokens
+are checked against it: the ranks must agree; earlier stages sample nothing).
 
 The engine's process never loads the weights: the workers do, and the engine keeps only the
 model's config and tokenizer. A worker that raises during a step sends the traceback back (the
 engine raises `ExecutorError` with it and the worker keeps serving); a worker that dies is noticed
 within `POLL_S` seconds of the engine waiting on any worker and reported with its rank and exit
-code (`WorkerDiedError`: the engine cannot go on). A reply the engine stopped waiting for (Ctrl-C
+code (`WorkerDiedError`: the engine cannot go on). A hung rank is named once its peers' collectives
+time out, or, with pipeline stages (which wait on each other for as long as a stage computes), once
+no rank still working has used CPU time for `STEP_TIMEOUT_S` (`_Stall`). A reply the engine stopped waiting for (Ctrl-C
 while a step ran) is recognised by its number and dropped. Workers ignore SIGINT: Ctrl-C in a
 terminal reaches the whole process group, and it is the engine's to handle.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import random
 import signal
 import socket
@@ -31,6 +35,7 @@ from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.loader.footprint import ModelFootprint
 
 logger = logging.getLogger("turbollm")
 POLL_S = 1.0
@@ -79,8 +84,8 @@ def _serve(conn, worker) -> None:
 
 
 def _stop(procs, conns, shm=None) -> None:
-    if shm is not None:
-        shm.unlink()
+    for files in shm or ():
+        files.unlink()
     for conn in conns:
         try:
             conn.send(("shutdown",))
@@ -105,11 +110,15 @@ class MultiprocExecutor(Executor):
     def __init__(self, args, kv_config, loaded=None):
         super().__init__(args, kv_config, loaded)
         ctx = mp.get_context("spawn")
-        n = args.tensor_parallel_size
+        n, tp = args.world_size, args.tensor_parallel_size
         # the ranks' rendezvous (a free local port) and their samplers' common seed
         init_method = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
         seed = args.seed if args.seed is not None or n == 1 else random.SystemRandom().getrandbits(62)
-        shm = ShmFiles.create(n) if n > 1 and args.tp_shared_memory else None
+        # one shared-memory exchange per pipeline stage's tensor-parallel group
+        shm = [ShmFiles.create(tp) for _ in range(args.pipeline_parallel_size)] \
+            if tp > 1 and args.tp_shared_memory else None
+        self._tp = tp
+        self._last_stage = range(n - tp, n)  # the ranks that sample: the step's output is the first one's
         self._procs, self._conns = [], []
         for rank in range(n):
             conn, child = ctx.Pipe()
@@ -131,9 +140,11 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError(f"{e}; a script that starts an engine with worker processes needs "
                                   "`if __name__ == '__main__':` around its top level (multiprocessing's "
                                   "spawn re-imports it)") from None
-        self.footprint = replies[0][2]
-        if shm is not None:  # every rank has mapped them
-            shm.unlink()
+        self.footprints = [r[2] for r in replies]  # per rank (pipeline stages hold different layers)
+        # a tensor-parallel rank's share; with pipeline stages, the stages' together (what a step passes through)
+        self.footprint = self.footprints[0] if n == tp else ModelFootprint.of_stages(self.footprints[::tp])
+        for files in shm or ():  # every rank has mapped them
+            files.unlink()
 
     def _dead(self, rank: int, doing: str) -> ExecutorError:
         """The error for a worker found gone: `WorkerDiedError`, with what it said before it went; at start-up,
@@ -163,6 +174,7 @@ class MultiprocExecutor(Executor):
         both (they finish the same step's work). Start-up has no deadline (ranks load at their pace)."""
         replies: dict[int, tuple] = {}
         deadline = None
+        stall = _Stall(self._procs) if not startup and len(self._conns) > self._tp else None
         while len(replies) < len(self._conns):
             waiting = [r for r in range(len(self._conns)) if r not in replies]
             ready = mp_connection.wait([self._conns[r] for r in waiting], timeout=POLL_S)
@@ -177,18 +189,29 @@ class MultiprocExecutor(Executor):
                 replies[rank] = (kind, tag, payload)
                 if startup and kind != "ready":  # the others may wait for it to join: stop here
                     raise _start_failure(rank, payload)
-                if deadline is None and not startup and len(self._conns) > 1:
+                # an earlier pipeline stage answers before the later ones compute: no deadline from its answer
+                if deadline is None and not startup and len(self._conns) > 1 and (
+                        kind != "ok" or rank in self._last_stage):
                     timed_out = kind != "ok" and _collective_timeout(payload)
                     deadline = time.monotonic() + HANG_GRACE_S + (0 if timed_out else STEP_TIMEOUT_S)
             for r, proc in enumerate(self._procs):
                 if r not in replies and not proc.is_alive():
                     raise self._dead(r, doing)
+            silent = [r for r in range(len(self._conns)) if r not in replies]
+            stalled = stall is not None and stall.stalled(silent)
+            if stalled:
+                deadline = 0.0  # pipeline stages: the ranks still working have not used CPU for STEP_TIMEOUT_S
             if deadline is not None and time.monotonic() > deadline:
-                rank = next(r for r in range(len(self._conns)) if r not in replies)
+                # a stalled pipeline: a stage waits on its neighbour whichever of them hangs; a stopped process
+                # is the one, else every silent rank is named
+                stopped = [r for r in silent if _proc_state(self._procs[r].pid) in ("T", "t")] if stalled else []
+                rank = (stopped or silent)[0]
+                others = "" if stopped or not stalled or len(silent) == 1 else \
+                    f" (or one of workers {', '.join(map(str, silent[1:]))}, which wait on each other)"
                 errors = [p for k, _, p in replies.values() if k != "ok"]
-                raise WorkerDiedError(f"worker {rank} (pid {self._procs[rank].pid}) stopped answering (hung) while "
-                                      f"{doing}" + (f"; the other ranks' collectives failed:\n{errors[0]}" if errors
-                                                    else ""))
+                raise WorkerDiedError(f"worker {rank} (pid {self._procs[rank].pid}) stopped answering (hung){others} "
+                                      f"while {doing}" + (f"; the other ranks' collectives failed:\n{errors[0]}"
+                                                          if errors else ""))
         return [replies[r] for r in range(len(self._conns))]
 
     def _send_all(self, msg: tuple) -> None:
@@ -208,7 +231,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self._broken is not None:
-            raise WorkerDiedError(f"the tensor-parallel ranks are out of step since: {self._broken}")
+            raise WorkerDiedError(f"the parallel ranks are out of step since: {self._broken}")
         self._step += 1
         try:
             self._send_all(("execute", self._step, sched))
@@ -221,11 +244,12 @@ class MultiprocExecutor(Executor):
                     raise self._fatal(WorkerDiedError(f"worker {rank} failed a step (the ranks cannot go on "
                                                       f"together):\n{payload}"))
                 raise ExecutorError(f"worker {rank} failed a step:\n{payload}")
-        out = replies[0][2]
-        for rank, (_, _, other) in enumerate(replies[1:], start=1):
-            if _tokens(other) != _tokens(out):
-                raise self._fatal(WorkerDiedError(f"tensor-parallel rank {rank} sampled other tokens than rank 0: "
-                                                  "the ranks are out of step"))
+        first = self._last_stage[0]
+        out = replies[first][2]
+        for rank in self._last_stage[1:]:
+            if _tokens(replies[rank][2]) != _tokens(out):
+                raise self._fatal(WorkerDiedError(f"tensor-parallel rank {rank} sampled other tokens than rank "
+                                                  f"{first}: the ranks are out of step"))
         return out
 
     def comm_stats(self) -> list[dict] | None:
@@ -234,7 +258,7 @@ class MultiprocExecutor(Executor):
     def call(self, method: str) -> list:
         """Worker method `method()` on every rank (no arguments; plain data back), in rank order."""
         if self._broken is not None:
-            raise WorkerDiedError(f"the tensor-parallel ranks are out of step since: {self._broken}")
+            raise WorkerDiedError(f"the parallel ranks are out of step since: {self._broken}")
         self._step += 1
         self._send_all(("call", self._step, method))
         replies = self._gather(f"answering {method}", self._step)
@@ -245,6 +269,52 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+class _Stall:
+    """Pipeline stages wait on each other for as long as the stage before computes, so an answer does not
+    bound the others' time; instead, a step is stuck when the ranks that have not answered have together
+    used less than `ACTIVE_CPU_S` of CPU time in `STEP_TIMEOUT_S` (a rank waiting for its input or for its
+    send to be taken sleeps, its background threads waking now and then). Where /proc cannot be read it
+    never says so (the last stage's answer still sets the others' deadline)."""
+
+    def __init__(self, procs):
+        self.procs, self.base, self.since = procs, {}, time.monotonic()
+
+    def stalled(self, waiting: list[int]) -> bool:
+        ticks = {r: _cpu_ticks(self.procs[r].pid) for r in waiting}
+        if None in ticks.values():
+            return False
+        used = sum(t - self.base.get(r, t) for r, t in ticks.items())
+        if not self.base or used >= ACTIVE_CPU_S * os.sysconf("SC_CLK_TCK"):
+            self.base, self.since = ticks, time.monotonic()
+        return time.monotonic() - self.since > STEP_TIMEOUT_S
+
+
+ACTIVE_CPU_S = 0.2  # CPU seconds per STEP_TIMEOUT_S: a rank computing uses ~30x that
+
+
+def _proc_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state first), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of process `pid`, in clock ticks (None when it cannot be read)."""
+    fields = _proc_fields(pid)
+    try:
+        return int(fields[11]) + int(fields[12]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def _proc_state(pid: int) -> str | None:
+    fields = _proc_fields(pid)
+    return fields[0] if fields else None
 
 
 def _start_failure(rank: int, traceback_text) -> ExecutorError:

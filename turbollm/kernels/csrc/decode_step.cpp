@@ -198,7 +198,8 @@ class DecodeStep {
   }
 
   // Layers [start, end) of a step. x [T, hidden]: layer start's input (the embedded new tokens
-  // when start is 0); residual: the residual stream coming in (None before layer 0). block_tables
+  // when start is 0); residual: the residual stream coming in (None before layer 0; a pipeline stage
+  // holding layers from some later one has it at its layer 0). block_tables
   // and slot_mappings: one per KV-cache group. query_start_loc [B + 1]: sequence b's new tokens are
   // rows [qsl[b], qsl[b + 1]) (attended one decode per token when no sequence brings more than
   // kSmallQueryMax, else by the tiled kernel, paged_attention); None: one new token per sequence.
@@ -211,7 +212,7 @@ class DecodeStep {
     TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size(), "decode step: no layers or no KV caches");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode step: x must be float32 [B, hidden]");
     TORCH_CHECK(0 <= start && start < end && end <= (int64_t)layers_.size(), "decode step: bad layer range");
-    TORCH_CHECK(residual_in.has_value() == (start > 0), "decode step: a residual stream comes in after layer 0 only");
+    TORCH_CHECK(residual_in.has_value() || start == 0, "decode step: layers after the first need the residual stream");
     for (int64_t g : groups_)
       TORCH_CHECK(g >= 0 && g < (int64_t)block_tables.size() && g < (int64_t)slot_mappings.size(),
                   "decode step: a layer's KV group has no block table or slot mapping");
@@ -239,7 +240,7 @@ class DecodeStep {
     for (int64_t i = start; i < end; ++i) {
       const Layer& L = layers_[i];
       torch::Tensor h;
-      if (i == 0) {
+      if (!residual.defined()) {  // the model's first layer
         residual = x;
         h = rms_norm(x, L.in_norm, L.eps, c10::nullopt);
       } else {

@@ -1,0 +1,161 @@
+"""Pipeline parallelism (issue 32, item 2): the layers cut into stages, each a worker process (or a
+tensor-parallel group of them) with its layers' weights and KV cache, hidden states sent between the
+stages per micro-batch; the same greedy tokens as one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import catalog_model_path, step_after_signal
+from quant_tiny import build_tiny
+from turbollm import LLM, SamplingParams
+from turbollm.config import ModelConfig
+from turbollm.distributed.pipeline_parallel import partition_layers, split_microbatches
+from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine.executor.base import WorkerDiedError
+from turbollm.engine.llm_engine import LLMEngine
+from turbollm.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pp")
+    return {arch: build_tiny(arch, folder / arch) for arch in ("llama", "qwen2", "gemma3")}
+
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+PROMPTS = [{"prompt_token_ids": [int(t) for t in torch.randint(4, 300, (n,), generator=torch.Generator()
+                                                                  .manual_seed(n))]} for n in (5, 40, 90)]
+
+
+def _run(llm, prompts) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _check_equal(ref, got, tol: float) -> None:
+    for (t0, lp0), (t1, lp1) in zip(ref, got):
+        assert t1 == t0
+        assert max(abs(a - b) for a, b in zip(lp0, lp1)) < tol
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_two_stages_equal_one_process(tiny, arch):
+    """Two stages, three sequences in two micro-batches: the same greedy tokens as one process through the
+    fused step and through the modules; each stage holds its layers only, and sends and receives per
+    micro-batch."""
+    one = LLM(str(tiny[arch]), threads=2)
+    ref = _run(one, PROMPTS)
+    whole = one.engine.executor.footprint.weight_bytes
+    layers = one.engine.config.num_layers
+    del one
+    for eager in (False, True):
+        llm = LLM(str(tiny[arch]), pipeline_parallel_size=2, threads=2, enforce_eager=eager)
+        try:
+            _check_equal(ref, _run(llm, PROMPTS), 1e-4)
+            counts = llm.engine.args.pp_layer_partition
+            assert len(counts) == 2 and sum(counts) == layers
+            steps = llm.engine.executor.call("fused_steps")
+            assert all(s > 10 for s in steps) if not eager else steps == [0, 0]
+            per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
+            assert all(b < 0.85 * whole for b in per_rank), (per_rank, whole)
+            stats = llm.engine.executor.call("comm_stats")
+            assert stats[0]["sends"] > 16 and stats[0]["recvs"] == 0  # 2 micro-batches for the 3 prompts
+            assert stats[1]["recvs"] == stats[0]["sends"] and stats[1]["sends"] == 0
+        finally:
+            llm.engine.shutdown()
+
+
+def test_tensor_and_pipeline_parallel_together(tiny):
+    """TP 2 x PP 2: four processes, each with a quarter of the layers' matrices; the same greedy tokens."""
+    ref = _run(LLM(str(tiny["qwen2"]), threads=2), PROMPTS)
+    llm = LLM(str(tiny["qwen2"]), tensor_parallel_size=2, pipeline_parallel_size=2, threads=2)
+    try:
+        _check_equal(ref, _run(llm, PROMPTS), 1e-4)
+        assert all(s > 10 for s in llm.engine.executor.call("fused_steps"))
+        stats = llm.engine.executor.call("comm_stats")
+        assert all(s["calls"] > 0 for s in stats)  # every stage all-reduces within its pair
+        assert stats[0]["sends"] == stats[2]["recvs"] > 0 and stats[1]["sends"] == stats[3]["recvs"] > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_gguf_model_in_two_stages():
+    """smollm2-135m (Q4_1 blocks, tied embedding): two stages give the one process's greedy tokens; the
+    last stage holds the tied table for its LM head."""
+    path = str(catalog_model_path("smollm2-135m"))
+    prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time"]
+    ref = _run(LLM(path, threads=2), prompts)
+    llm = LLM(path, pipeline_parallel_size=2, threads=2)
+    try:
+        _check_equal(ref, _run(llm, prompts), 2e-3)
+    finally:
+        llm.engine.shutdown()
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                max_position_embeddings=32768, tie_word_embeddings=True)
+    return ModelConfig(**(base | kw))
+
+
+def test_partition_balances_parameters_with_the_lm_head_on_the_last_stage():
+    """qwen2.5-0.5b's LM head (136 M parameters) weighs about nine of its 14.9 M-parameter layers: the last
+    stage takes 7 of 24. A model without a large head splits evenly; a given partition is checked."""
+    assert [len(r) for r in partition_layers(_config(), 2)] == [17, 7]
+    assert [len(r) for r in partition_layers(_config(vocab_size=64), 2)] == [12, 12]
+    assert [len(r) for r in partition_layers(_config(vocab_size=64), 3)] == [8, 8, 8]
+    assert [(r.start, r.stop) for r in partition_layers(_config(), 2, [10, 14])] == [(0, 10), (10, 24)]
+    for bad in ([10, 10], [24, 0], [24]):
+        with pytest.raises(InvalidRequestError, match="pp_layer_partition"):
+            partition_layers(_config(), 2, bad)
+
+
+def test_microbatches_cut_sequences_by_tokens():
+    assert split_microbatches([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert split_microbatches([100, 1, 1], 2) == [range(0, 1), range(1, 3)]
+    assert split_microbatches([1, 100], 3) == [range(0, 1), range(1, 2)]
+    assert split_microbatches([7], 4) == [range(0, 1)]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(pipeline_parallel_size=9), "more stages than the model's 2 layers"),  # the tiny models: 2 layers
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
+    (dict(pipeline_parallel_size=2, pp_layer_partition="2,1"), "pp_layer_partition 2,1"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "does not take speculative decoding"),
+    (dict(pipeline_parallel_size=2, kv_policy="h2o", kv_budget=64), "does not take pipeline_parallel_size"),
+])
+def test_impossible_pipelines_are_refused_before_any_rank_starts(tiny, kw, message, monkeypatch):
+    import turbollm.engine.executor.multiproc as multiproc
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(str(tiny["llama"]), **kw)
+
+
+def test_a_dead_stage_is_named_within_seconds(tiny):
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, pipeline_parallel_size=2))
+    try:
+        step_after_signal(engine, 0, signal.SIGKILL, r"worker 0 \(pid \d+\) was killed by signal 9 while")
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_hung_stage_is_named_within_ten_seconds(tiny, rank):
+    """A stage stopped (SIGSTOP): the other sleeps in its receive (stage 0 stopped) or in its send (stage 1
+    stopped), no rank uses CPU, and the engine names the stopped worker as hung within 10 s."""
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, pipeline_parallel_size=2))
+    pid = engine.executor._procs[rank].pid
+    try:
+        step_after_signal(engine, rank, signal.SIGSTOP, rf"worker {rank} \(pid \d+\) stopped answering \(hung\)")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.shutdown()

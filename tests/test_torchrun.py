@@ -1,0 +1,79 @@
+"""Ranks started by torchrun (issue 32, item 3): two torchrun launches on this machine acting as two nodes
+over loopback (`--nnodes 2 --node-rank 0|1`), the engine on rank 0, a worker on rank 1; the same greedy
+tokens as one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from quant_tiny import build_tiny
+from turbollm import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 17, 33, 65], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [100, 50, 25]]
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from turbollm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        model, out, kw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+        llm = LLM(model, threads=2, **kw)  # on rank 1 this is where the worker runs, then the process exits
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[4])], params, use_tqdm=False)
+        footprints = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
+        with open(out, "w") as f:
+            json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                       "logprobs": [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs],
+                       "backend": llm.engine.args.distributed_executor_backend, "footprints": footprints}, f)
+        llm.engine.shutdown()
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny("qwen2", tmp_path_factory.mktemp("torchrun") / "qwen2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_two_torchrun_nodes_give_one_process_tokens(tiny, tmp_path, kw):
+    script = tmp_path / "gen.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(script), str(tiny), str(out), json.dumps(kw), json.dumps(PROMPTS)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("torchrun did not finish within 300 s:\n" + "\n".join(q.communicate()[0][-3000:] for q in procs))
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(log[-3000:] for log in logs)
+    got = json.loads(out.read_text())
+    assert got["backend"] == "torchrun" and len(got["footprints"]) == 2
+    one = LLM(str(tiny), threads=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    ref = one.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    whole = one.engine.executor.footprint.weight_bytes
+    for o, tokens, lps in zip(ref, got["tokens"], got["logprobs"]):
+        assert list(o.outputs[0].token_ids) == tokens
+        assert max(abs(next(iter(d.values())).logprob - b) for d, b in zip(o.outputs[0].logprobs, lps)) < 1e-4
+    assert all(b < 0.85 * whole for b in got["footprints"]), (got["footprints"], whole)

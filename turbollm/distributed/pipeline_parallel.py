@@ -1,0 +1,125 @@
+"""Pipeline parallelism on `torch.distributed`: the layers cut into stages, and the hidden states a
+stage hands the next.
+
+A stage is a group of `tensor_parallel_size` ranks (global rank = stage × tp + tp rank) holding a
+contiguous range of decoder layers and their KV caches; the first stage also embeds the tokens,
+the last one holds the final norm and the LM head and samples. Every rank gets every step's
+`SchedulerOutput` (its sequences' state stays in step with no further messages); a stage receives
+(block output, residual stream) of each micro-batch from the same TP rank of the stage before and
+sends its own to the next (`send_hidden` / `recv_hidden`, gloo point-to-point, timed in the rank's
+`CommStats`).
+
+`partition_layers` balances the stages by the parameters a token is multiplied with: each layer's
+linears, and on the last stage the LM head (for a small model with a large vocabulary the head
+weighs as much as several layers). The embedding is a lookup and weighs nothing here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from turbollm.distributed import get_tp
+from turbollm.distributed.tensor_parallel import COMM
+from turbollm.errors import InvalidRequestError
+
+
+def layer_params(cfg) -> int:
+    """Parameters of one decoder layer's linears (what each token is multiplied with)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def parse_partition(text) -> list[int] | None:
+    """`pp_layer_partition` as given ("12,12", a list, or None)."""
+    if text is None or isinstance(text, (list, tuple)):
+        return None if text is None else [int(n) for n in text]
+    try:
+        return [int(n) for n in str(text).split(",")]
+    except ValueError:
+        raise InvalidRequestError(f"pp_layer_partition {text!r}: give the layers of each stage, e.g. '12,12'") from None
+
+
+def partition_layers(cfg, pp: int, given: list[int] | None = None) -> list[range]:
+    """Each stage's layers: `given` (layers per stage, checked), or balanced by parameters."""
+    n = cfg.num_layers
+    if given is not None:
+        if len(given) != pp or any(k < 1 for k in given) or sum(given) != n:
+            raise InvalidRequestError(f"pp_layer_partition {','.join(map(str, given))}: give {pp} positive layer "
+                                      f"counts summing to the model's {n} layers")
+        counts = list(given)
+    elif pp == 1:
+        counts = [n]
+    else:
+        layer, head = layer_params(cfg), cfg.vocab_size * cfg.hidden_size
+
+        def cost(k: int) -> float:  # the slowest stage with k layers on the last one
+            rest = n - k
+            return max(-(-rest // (pp - 1)) * layer, k * layer + head)
+
+        last = min(range(1, n - pp + 2), key=cost)
+        base, extra = divmod(n - last, pp - 1)
+        counts = [base + (s < extra) for s in range(pp - 1)] + [last]
+    out, start = [], 0
+    for k in counts:
+        out.append(range(start, start + k))
+        start += k
+    return out
+
+
+def check_pipeline_parallel(cfg, pp: int) -> None:
+    if pp < 1:
+        raise InvalidRequestError(f"pipeline_parallel_size must be >= 1, got {pp}")
+    if pp > cfg.num_layers:
+        raise InvalidRequestError(f"pipeline_parallel_size {pp} is more stages than the model's {cfg.num_layers} "
+                                  "layers")
+
+
+def split_microbatches(token_counts: list[int], m: int) -> list[range]:
+    """Consecutive sequences cut into at most `m` non-empty micro-batches of about equal tokens."""
+    m = max(1, min(m, len(token_counts)))
+    total = sum(token_counts)
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(token_counts):
+        acc += n
+        left = len(token_counts) - i - 1  # sequences after this one
+        want = len(out) + 1  # the micro-batch being filled
+        if want < m and (acc >= total * want / m or left == m - want):
+            out.append(range(start, i + 1))
+            start = i + 1
+    out.append(range(start, len(token_counts)))
+    return [r for r in out if len(r)]
+
+
+def send_hidden(x: torch.Tensor, residual: torch.Tensor):
+    """Start sending a micro-batch's (block output, residual stream) to the next stage; returns the
+    request to wait on (the tensor it sends stays alive with it)."""
+    st = get_tp()
+    payload = torch.stack([x, residual])
+    t0 = time.perf_counter()
+    work = dist.isend(payload, dst=(st.pp_rank + 1) * st.tp_size + st.tp_rank)
+    COMM.send_seconds += time.perf_counter() - t0
+    COMM.sends += 1
+    COMM.send_bytes += payload.numel() * payload.element_size()
+    return work, payload
+
+
+def wait_sends(pending: list) -> None:
+    t0 = time.perf_counter()
+    for work, _ in pending:
+        work.wait()
+    COMM.send_seconds += time.perf_counter() - t0
+
+
+def recv_hidden(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's (block output, residual stream) from the stage before (blocks until it comes:
+    the time counts the previous stage's compute too)."""
+    st = get_tp()
+    buf = torch.empty(2, num_tokens, hidden)
+    t0 = time.perf_counter()
+    dist.recv(buf, src=(st.pp_rank - 1) * st.tp_size + st.tp_rank)
+    COMM.recv_seconds += time.perf_counter() - t0
+    COMM.recvs += 1
+    return buf[0], buf[1]
