@@ -65,7 +65,8 @@ def test_two_stages_equal_one_process(tiny, arch):
             per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
             assert all(b < 0.85 * whole for b in per_rank), (per_rank, whole)
             stats = llm.engine.executor.call("comm_stats")
-            assert stats[0]["sends"] > 16 and stats[0]["recvs"] == 0  # 2 micro-batches for the 3 prompts
+            # the prompts' step (135 tokens) in 2 micro-batches, each decode step (3 tokens) whole
+            assert stats[0]["sends"] == 2 + 15 and stats[0]["recvs"] == 0
             assert stats[1]["recvs"] == stats[0]["sends"] and stats[1]["sends"] == 0
         finally:
             llm.engine.shutdown()
@@ -122,6 +123,8 @@ def test_microbatches_cut_sequences_by_tokens():
     assert split_microbatches([100, 1, 1], 2) == [range(0, 1), range(1, 3)]
     assert split_microbatches([1, 100], 3) == [range(0, 1), range(1, 2)]
     assert split_microbatches([7], 4) == [range(0, 1)]
+    assert split_microbatches([1, 1, 1, 1], 2, min_tokens=64) == [range(0, 4)]  # a decode step: whole
+    assert split_microbatches([100, 30, 2], 3, min_tokens=64) == [range(0, 1), range(1, 3)]
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -82,7 +82,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                         "with, the LM head counted on the last)")
     p.add_argument("--pp-microbatches", type=int, default=None,
                    help="a step's sequences cut into this many micro-batches so the stages overlap (default: one "
-                        "per stage)")
+                        "per stage), each of 64 tokens or more (a decode step of a few sequences stays whole)")
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "torchrun"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data (chosen for you with -tp or -pp > 1); torchrun: "

@@ -77,10 +77,18 @@ def check_pipeline_parallel(cfg, pp: int) -> None:
                                   "layers")
 
 
-def split_microbatches(token_counts: list[int], m: int) -> list[range]:
-    """Consecutive sequences cut into at most `m` non-empty micro-batches of about equal tokens."""
-    m = max(1, min(m, len(token_counts)))
+# Tokens a micro-batch needs before cutting a step pays: a decode micro-batch of a few rows reads every
+# weight of its stage as the whole batch would (decode is bound by memory bandwidth), so cutting a
+# decode step in M makes each stage read its weights M times; a prefill chunk is bound by compute, and
+# its micro-batches let the stages work at once (docs/BENCHMARKS.md).
+MIN_MICROBATCH_TOKENS = 64
+
+
+def split_microbatches(token_counts: list[int], m: int, min_tokens: int = 1) -> list[range]:
+    """Consecutive sequences cut into at most `m` non-empty micro-batches of about equal tokens, each of
+    about `min_tokens` or more (fewer micro-batches otherwise)."""
     total = sum(token_counts)
+    m = max(1, min(m, len(token_counts), total // max(1, min_tokens)))
     out, start, acc = [], 0, 0
     for i, n in enumerate(token_counts):
         acc += n

@@ -108,7 +108,7 @@ class EngineArgs:
     # of tensor_parallel_size processes with its layers' weights and KV cache; hidden states sent between
     # stages. pp_layer_partition: layers per stage ("12,12"; None: balanced by parameters);
     # pp_microbatches: a step's sequences cut into this many micro-batches so the stages overlap
-    # (None: one per stage)
+    # (None: one per stage), each of 64 tokens or more (distributed/pipeline_parallel.MIN_MICROBATCH_TOKENS)
     pipeline_parallel_size: int = 1
     pp_layer_partition: object = None
     pp_microbatches: int | None = None

@@ -1,7 +1,8 @@
 """One pipeline stage's part of a step (distributed/pipeline_parallel.py): its layers over every
 micro-batch of the step's sequences.
 
-The step's sequences are cut into micro-batches of about equal tokens (`split_microbatches`); each
+The step's sequences are cut into micro-batches of about equal tokens (`split_microbatches`; a step of
+fewer than 64 tokens a micro-batch, a decode step of a few sequences, stays whole); each
 goes through the stage in turn: the first stage embeds its tokens, a later one receives (block output,
 residual stream) from the stage before; then the stage's layers (the fused C++ step when the batch
 allows it, else the modules); then the hidden states are sent on (a send that does not wait: the
@@ -15,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from turbollm.distributed import get_tp
-from turbollm.distributed.pipeline_parallel import recv_hidden, send_hidden, split_microbatches, wait_sends
+from turbollm.distributed.pipeline_parallel import (MIN_MICROBATCH_TOKENS, recv_hidden, send_hidden,
+                                                    split_microbatches, wait_sends)
 from turbollm.engine.scheduler_output import SchedulerOutput
 
 
@@ -28,7 +30,7 @@ class PipelineStage:
         model = runner.model
         items = list(sched.scheduled_token_ids.items())
         parts, pending = [], []
-        for group in split_microbatches([len(t) for _, t in items], self.microbatches):
+        for group in split_microbatches([len(t) for _, t in items], self.microbatches, MIN_MICROBATCH_TOKENS):
             batch = runner.prepare(sched, items[group.start:group.stop])
             if stage.is_first_stage:
                 x, residual = model.embed(batch.input_ids), None
