@@ -117,6 +117,24 @@ def step_after_signal(engine, rank: int, sig: int, match: str) -> None:
     assert time.monotonic() - t0 < 10
 
 
+def greedy_tokens(llm, prompts, max_tokens: int = 16) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs (parallel engines against one process)."""
+    from turbollm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def check_equal(ref, got, tol: float) -> None:
+    """The same tokens, and logprobs within `tol`."""
+    assert len(ref) == len(got)
+    for (t0, lp0), (t1, lp1) in zip(ref, got):
+        assert t1 == t0
+        assert max(abs(a - b) for a, b in zip(lp0, lp1)) < tol
+
+
 def pytest_sessionstart(session):
     if not strict_mode():
         return

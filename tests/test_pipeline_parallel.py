@@ -10,13 +10,12 @@ import signal
 import pytest
 import torch
 
-from conftest import catalog_model_path, step_after_signal
+from conftest import catalog_model_path, check_equal, greedy_tokens, step_after_signal
 from quant_tiny import build_tiny
-from turbollm import LLM, SamplingParams
+from turbollm import LLM
 from turbollm.config import ModelConfig
 from turbollm.distributed.pipeline_parallel import partition_layers, split_microbatches
 from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor.base import WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.errors import InvalidRequestError
 
@@ -27,37 +26,24 @@ def tiny(tmp_path_factory):
     return {arch: build_tiny(arch, folder / arch) for arch in ("llama", "qwen2", "gemma3")}
 
 
-PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
 PROMPTS = [{"prompt_token_ids": [int(t) for t in torch.randint(4, 300, (n,), generator=torch.Generator()
                                                                   .manual_seed(n))]} for n in (5, 40, 90)]
-
-
-def _run(llm, prompts) -> list[tuple[list[int], list[float]]]:
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
-            for o in outs]
-
-
-def _check_equal(ref, got, tol: float) -> None:
-    for (t0, lp0), (t1, lp1) in zip(ref, got):
-        assert t1 == t0
-        assert max(abs(a - b) for a, b in zip(lp0, lp1)) < tol
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_two_stages_equal_one_process(tiny, arch):
     """Two stages, three sequences in two micro-batches: the same greedy tokens as one process through the
-    fused step and through the modules; each stage holds its layers only, and sends and receives per
+    fused step (and, for llama, through the modules); each stage holds its layers only, and sends and receives per
     micro-batch."""
     one = LLM(str(tiny[arch]), threads=2)
-    ref = _run(one, PROMPTS)
+    ref = greedy_tokens(one, PROMPTS)
     whole = one.engine.executor.footprint.weight_bytes
     layers = one.engine.config.num_layers
     del one
-    for eager in (False, True):
+    for eager in (False, True) if arch == "llama" else (False,):  # the module path once: it is the same code
         llm = LLM(str(tiny[arch]), pipeline_parallel_size=2, threads=2, enforce_eager=eager)
         try:
-            _check_equal(ref, _run(llm, PROMPTS), 1e-4)
+            check_equal(ref, greedy_tokens(llm, PROMPTS), 1e-4)
             counts = llm.engine.args.pp_layer_partition
             assert len(counts) == 2 and sum(counts) == layers
             steps = llm.engine.executor.call("fused_steps")
@@ -72,12 +58,24 @@ def test_two_stages_equal_one_process(tiny, arch):
             llm.engine.shutdown()
 
 
+def test_int8_kv_in_two_stages(tiny):
+    """int8 K/V with its float16 rings of recent tokens, each stage holding its layers' pool and rings: the
+    one process's tokens."""
+    ref = greedy_tokens(LLM(str(tiny["qwen2"]), threads=2, kv_cache_dtype="int8"), PROMPTS)
+    llm = LLM(str(tiny["qwen2"]), threads=2, kv_cache_dtype="int8", pipeline_parallel_size=2)
+    try:
+        check_equal(ref, greedy_tokens(llm, PROMPTS), 1e-4)
+        assert all(s > 10 for s in llm.engine.executor.call("fused_steps"))
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tensor_and_pipeline_parallel_together(tiny):
     """TP 2 x PP 2: four processes, each with a quarter of the layers' matrices; the same greedy tokens."""
-    ref = _run(LLM(str(tiny["qwen2"]), threads=2), PROMPTS)
+    ref = greedy_tokens(LLM(str(tiny["qwen2"]), threads=2), PROMPTS)
     llm = LLM(str(tiny["qwen2"]), tensor_parallel_size=2, pipeline_parallel_size=2, threads=2)
     try:
-        _check_equal(ref, _run(llm, PROMPTS), 1e-4)
+        check_equal(ref, greedy_tokens(llm, PROMPTS), 1e-4)
         assert all(s > 10 for s in llm.engine.executor.call("fused_steps"))
         stats = llm.engine.executor.call("comm_stats")
         assert all(s["calls"] > 0 for s in stats)  # every stage all-reduces within its pair
@@ -91,10 +89,10 @@ def test_gguf_model_in_two_stages():
     last stage holds the tied table for its LM head."""
     path = str(catalog_model_path("smollm2-135m"))
     prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time"]
-    ref = _run(LLM(path, threads=2), prompts)
+    ref = greedy_tokens(LLM(path, threads=2), prompts)
     llm = LLM(path, pipeline_parallel_size=2, threads=2)
     try:
-        _check_equal(ref, _run(llm, prompts), 2e-3)
+        check_equal(ref, greedy_tokens(llm, prompts), 2e-3)
     finally:
         llm.engine.shutdown()
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from conftest import catalog_model_path, step_after_signal
+from conftest import catalog_model_path, check_equal, greedy_tokens, step_after_signal
 from quant_tiny import build_tiny
-from turbollm import LLM, SamplingParams
+from turbollm import LLM
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor.base import ExecutorError, WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
@@ -26,21 +26,6 @@ def tiny(tmp_path_factory):
     return {arch: build_tiny(arch, folder / arch) for arch in ("llama", "qwen2", "gemma3")}
 
 
-PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def _run(llm, prompts) -> list[tuple[list[int], list[float]]]:
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
-            for o in outs]
-
-
-def _check_equal(ref, got, tol: float) -> None:
-    for (t0, lp0), (t1, lp1) in zip(ref, got):
-        assert t1 == t0
-        assert max(abs(a - b) for a, b in zip(lp0, lp1)) < tol
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_two_ranks_equal_one(tiny, arch):
     """GQA (llama), biases and an untied head (qwen2), MQA with its one KV head kept by both ranks and
@@ -49,13 +34,13 @@ def test_two_ranks_equal_one(tiny, arch):
     prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(4, 300, (n,), generator=torch.Generator()
                                                                       .manual_seed(n))]} for n in (5, 40, 90)]
     one = LLM(str(tiny[arch]), threads=2)
-    ref = _run(one, prompts)
+    ref = greedy_tokens(one, prompts)
     whole = one.engine.executor.footprint.weight_bytes
     del one
     for eager in (False, True):
         llm = LLM(str(tiny[arch]), tensor_parallel_size=2, threads=2, enforce_eager=eager)
         try:
-            _check_equal(ref, _run(llm, prompts), 1e-4)
+            check_equal(ref, greedy_tokens(llm, prompts), 1e-4)
             steps = llm.engine.executor.call("fused_steps")
             assert all(s > 10 for s in steps) if not eager else steps == [0, 0]
             per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
@@ -70,10 +55,10 @@ def test_gguf_model_split_in_three():
     tokens as one process."""
     path = str(catalog_model_path("smollm2-135m"))
     prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time"]
-    ref = _run(LLM(path, threads=2), prompts)
+    ref = greedy_tokens(LLM(path, threads=2), prompts)
     llm = LLM(path, tensor_parallel_size=3, threads=2)
     try:
-        _check_equal(ref, _run(llm, prompts), 5e-3)  # the q8 activations of each shard round apart
+        check_equal(ref, greedy_tokens(llm, prompts), 5e-3)  # the q8 activations of each shard round apart
         assert all(s > 10 for s in llm.engine.executor.call("fused_steps"))
     finally:
         llm.engine.shutdown()
