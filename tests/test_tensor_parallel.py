@@ -76,11 +76,13 @@ def test_impossible_splits_are_refused_before_any_rank_starts(tiny, size, messag
         LLM(str(tiny["llama"]), tensor_parallel_size=size)
 
 
-def test_a_dead_rank_is_named_within_seconds(tiny):
-    """Rank 1 killed: rank 0 waits in its all-reduce, the engine names rank 1 within 10 s."""
-    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2))
+@pytest.mark.parametrize("parallel, rank", [(dict(tensor_parallel_size=2), 1), (dict(pipeline_parallel_size=2), 0)])
+def test_a_dead_rank_is_named_within_seconds(tiny, parallel, rank):
+    """A rank killed (the other waits in its all-reduce, or for the first stage's hidden states): the engine
+    names it within 10 s."""
+    engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, **parallel))
     try:
-        step_after_signal(engine, 1, signal.SIGKILL, r"worker 1 \(pid \d+\) was killed by signal 9 while")
+        step_after_signal(engine, rank, signal.SIGKILL, rf"worker {rank} \(pid \d+\) was killed by signal 9 while")
     finally:
         engine.shutdown()
 

@@ -43,8 +43,11 @@ def parse_partition(text) -> list[int] | None:
 
 
 def partition_layers(cfg, pp: int, given: list[int] | None = None) -> list[range]:
-    """Each stage's layers: `given` (layers per stage, checked), or balanced by parameters."""
+    """Each stage's layers: `given` (layers per stage, checked), or balanced by parameters. More stages
+    than layers are refused."""
     n = cfg.num_layers
+    if pp > n:
+        raise InvalidRequestError(f"pipeline_parallel_size {pp} is more stages than the model's {n} layers")
     if given is not None:
         if len(given) != pp or any(k < 1 for k in given) or sum(given) != n:
             raise InvalidRequestError(f"pp_layer_partition {','.join(map(str, given))}: give {pp} positive layer "
@@ -67,14 +70,6 @@ def partition_layers(cfg, pp: int, given: list[int] | None = None) -> list[range
         out.append(range(start, start + k))
         start += k
     return out
-
-
-def check_pipeline_parallel(cfg, pp: int) -> None:
-    if pp < 1:
-        raise InvalidRequestError(f"pipeline_parallel_size must be >= 1, got {pp}")
-    if pp > cfg.num_layers:
-        raise InvalidRequestError(f"pipeline_parallel_size {pp} is more stages than the model's {cfg.num_layers} "
-                                  "layers")
 
 
 # Tokens a micro-batch needs before cutting a step pays: a decode micro-batch of a few rows reads every

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from turbollm.distributed.launch import torchrun_rank
-from turbollm.distributed.pipeline_parallel import check_pipeline_parallel, partition_layers
+from turbollm.distributed.pipeline_parallel import partition_layers
 from turbollm.distributed.tensor_parallel import check_tensor_parallel
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.executor import get_executor_class
@@ -91,7 +91,6 @@ class LLMEngine:
         tp = args.tensor_parallel_size
         check_tensor_parallel(self.config, tp)
         if args.pipeline_parallel_size > 1:  # the stages' layers, resolved once: every rank reads the same
-            check_pipeline_parallel(self.config, args.pipeline_parallel_size)
             stages = partition_layers(self.config, args.pipeline_parallel_size, args.pp_layer_partition)
             self.args = args = dataclasses.replace(args, pp_layer_partition=[len(r) for r in stages])
             logger.info("pipeline parallelism: %d stages of %s layers", len(stages), "+".join(str(len(r)) for r in stages))

@@ -27,6 +27,14 @@ class Executor(ABC):
         self.args, self.kv_config = args, kv_config
         self.footprint = None  # the workers' ModelFootprint, set once they have loaded the model
 
+    def _set_footprints(self, footprints: list, tp: int) -> None:
+        """Each rank's footprint, and the engine's: a tensor-parallel rank's share, or with pipeline
+        stages the stages' together (one rank of each: what a step passes through)."""
+        from turbollm.loader.footprint import ModelFootprint
+
+        self.footprints = footprints
+        self.footprint = footprints[0] if len(footprints) == tp else ModelFootprint.of_stages(footprints[::tp])
+
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; raises ExecutorError when a worker fails it."""

@@ -35,7 +35,6 @@ from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
-from turbollm.loader.footprint import ModelFootprint
 
 logger = logging.getLogger("turbollm")
 POLL_S = 1.0
@@ -140,9 +139,7 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError(f"{e}; a script that starts an engine with worker processes needs "
                                   "`if __name__ == '__main__':` around its top level (multiprocessing's "
                                   "spawn re-imports it)") from None
-        self.footprints = [r[2] for r in replies]  # per rank (pipeline stages hold different layers)
-        # a tensor-parallel rank's share; with pipeline stages, the stages' together (what a step passes through)
-        self.footprint = self.footprints[0] if n == tp else ModelFootprint.of_stages(self.footprints[::tp])
+        self._set_footprints([r[2] for r in replies], tp)
         for files in shm or ():  # every rank has mapped them
             files.unlink()
 

@@ -18,7 +18,6 @@ from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
-from turbollm.loader.footprint import ModelFootprint
 
 
 class TorchrunExecutor(Executor):
@@ -58,9 +57,7 @@ class TorchrunExecutor(Executor):
                 pass
             rank, payload = failed[0]
             raise ExecutorError(f"rank {rank} failed to start:\n{payload}") from (failure if rank == 0 else None)
-        self.footprints = [p for _, p in replies]
-        tp = args.tensor_parallel_size  # (as the multi-process executor reports it)
-        self.footprint = self.footprints[0] if world == tp else ModelFootprint.of_stages(self.footprints[::tp])
+        self._set_footprints([p for _, p in replies], args.tensor_parallel_size)
 
     def _round(self, kind: str, payload, run) -> list:
         if self._broken is not None:
