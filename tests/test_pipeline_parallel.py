@@ -50,10 +50,14 @@ def test_two_stages_equal_one_process(tiny, arch):
             assert all(s > 10 for s in steps) if not eager else steps == [0, 0]
             per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
             assert all(b < 0.85 * whole for b in per_rank), (per_rank, whole)
+            assert sum(per_rank) < 1.02 * whole, (per_rank, whole)  # a tied table too is held once
             stats = llm.engine.executor.call("comm_stats")
-            # the prompts' step (135 tokens) in 2 micro-batches, each decode step (3 tokens) whole
-            assert stats[0]["sends"] == 2 + 15 and stats[0]["recvs"] == 0
-            assert stats[1]["recvs"] == stats[0]["sends"] and stats[1]["sends"] == 0
+            # the prompts' step (135 tokens) in 2 micro-batches, each decode step (3 tokens) whole; a tied
+            # table's rows come from the last stage, which holds it
+            tied = llm.engine.config.tie_word_embeddings
+            assert tied == (arch != "qwen2")
+            assert stats[0]["sends"] == 2 + 15 and stats[0]["recvs"] == (2 + 15 if tied else 0)
+            assert stats[1]["recvs"] == stats[0]["sends"] and stats[1]["sends"] == stats[0]["recvs"]
         finally:
             llm.engine.shutdown()
 
@@ -70,29 +74,35 @@ def test_int8_kv_in_two_stages(tiny):
         llm.engine.shutdown()
 
 
-def test_tensor_and_pipeline_parallel_together(tiny):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied head; tied (the last pair's vocabulary halves)
+def test_tensor_and_pipeline_parallel_together(tiny, arch):
     """TP 2 x PP 2: four processes, each with a quarter of the layers' matrices; the same greedy tokens."""
-    ref = greedy_tokens(LLM(str(tiny["qwen2"]), threads=2), PROMPTS)
-    llm = LLM(str(tiny["qwen2"]), tensor_parallel_size=2, pipeline_parallel_size=2, threads=2)
+    ref = greedy_tokens(LLM(str(tiny[arch]), threads=2), PROMPTS)
+    llm = LLM(str(tiny[arch]), tensor_parallel_size=2, pipeline_parallel_size=2, threads=2)
     try:
         check_equal(ref, greedy_tokens(llm, PROMPTS), 1e-4)
         assert all(s > 10 for s in llm.engine.executor.call("fused_steps"))
         stats = llm.engine.executor.call("comm_stats")
         assert all(s["calls"] > 0 for s in stats)  # every stage all-reduces within its pair
         assert stats[0]["sends"] == stats[2]["recvs"] > 0 and stats[1]["sends"] == stats[3]["recvs"] > 0
+        assert stats[2]["sends"] == stats[0]["recvs"] == (stats[0]["sends"] if arch == "llama" else 0)
     finally:
         llm.engine.shutdown()
 
 
 def test_gguf_model_in_two_stages():
     """smollm2-135m (Q4_1 blocks, tied embedding): two stages give the one process's greedy tokens; the
-    last stage holds the tied table for its LM head."""
+    last stage alone holds the tied table (its LM head and the lookups it sends the first stage)."""
     path = str(catalog_model_path("smollm2-135m"))
     prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time"]
-    ref = greedy_tokens(LLM(path, threads=2), prompts)
+    one = LLM(path, threads=2)
+    ref, whole = greedy_tokens(one, prompts), one.engine.executor.footprint.weight_bytes
+    del one
     llm = LLM(path, pipeline_parallel_size=2, threads=2)
     try:
         check_equal(ref, greedy_tokens(llm, prompts), 2e-3)
+        per_rank = [f.weight_bytes for f in llm.engine.executor.call("footprint")]
+        assert sum(per_rank) < 1.01 * whole, (per_rank, whole)  # the 28 M-entry table once, not on both stages
     finally:
         llm.engine.shutdown()
 

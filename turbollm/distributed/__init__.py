@@ -21,7 +21,8 @@ class ParallelState:
     # projections, so no rank's share of them cuts a block; the loader sets it before building)
     mlp_align: int = 1
     # pipeline parallelism: this process's stage of pp_size, which runs layers layer_start .. layer_end - 1
-    # (layer_end None: to the last); the first stage embeds, the last one norms, projects and samples
+    # (layer_end None: to the last); the first stage embeds (its rows looked up by the last one when the table is
+    # tied to the LM head), the last one norms, projects and samples
     pp_size: int = 1
     pp_rank: int = 0
     layer_start: int = 0
@@ -38,9 +39,13 @@ class ParallelState:
     def holds_layer(self, i: int) -> bool:
         return self.layer_start <= i and (self.layer_end is None or i < self.layer_end)
 
+    def embedding_stage(self, tied: bool) -> int:
+        """The stage that looks the tokens up: the first, or the last when the table is tied to the LM head
+        (the last stage holds it anyway, so it lives once, and the looked-up rows are sent to the first)."""
+        return self.pp_size - 1 if tied else 0
+
     def holds_embedding(self, tied: bool) -> bool:
-        """The first stage looks tokens up; the last one projects onto a tied table too."""
-        return self.is_first_stage or (tied and self.is_last_stage)
+        return self.pp_rank == self.embedding_stage(tied)
 
     def holds_weight(self, hf_name: str, tied: bool) -> bool:
         """Whether this stage loads checkpoint tensor `hf_name` (Hugging Face naming)."""

@@ -3,7 +3,8 @@ stage hands the next.
 
 A stage is a group of `tensor_parallel_size` ranks (global rank = stage × tp + tp rank) holding a
 contiguous range of decoder layers and their KV caches; the first stage also embeds the tokens,
-the last one holds the final norm and the LM head and samples. Every rank gets every step's
+the last one holds the final norm and the LM head and samples. A table tied to the LM head is held by
+the last stage alone: it looks the tokens up and sends the rows to the first (`send_embedded`). Every rank gets every step's
 `SchedulerOutput` (its sequences' state stays in step with no further messages); a stage receives
 (block output, residual stream) of each micro-batch from the same TP rank of the stage before and
 sends its own to the next (`send_hidden` / `recv_hidden`, gloo point-to-point, timed in the rank's
@@ -96,17 +97,52 @@ def split_microbatches(token_counts: list[int], m: int, min_tokens: int = 1) -> 
     return [r for r in out if len(r)]
 
 
-def send_hidden(x: torch.Tensor, residual: torch.Tensor):
-    """Start sending a micro-batch's (block output, residual stream) to the next stage; returns the
-    request to wait on (the tensor it sends stays alive with it)."""
+# point-to-point tags: the hidden states a stage hands the next, and the looked-up rows of a tied table
+# the last stage sends the first (with two stages both pass between the same two ranks)
+HIDDEN_TAG, EMBEDDED_TAG = 0, 1
+
+
+def _isend(payload: torch.Tensor, stage: int, tag: int):
     st = get_tp()
-    payload = torch.stack([x, residual])
     t0 = time.perf_counter()
-    work = dist.isend(payload, dst=(st.pp_rank + 1) * st.tp_size + st.tp_rank)
+    work = dist.isend(payload, dst=stage * st.tp_size + st.tp_rank, tag=tag)
     COMM.send_seconds += time.perf_counter() - t0
     COMM.sends += 1
     COMM.send_bytes += payload.numel() * payload.element_size()
     return work, payload
+
+
+def _recv(shape: tuple[int, ...], stage: int, tag: int) -> torch.Tensor:
+    st = get_tp()
+    buf = torch.empty(shape)
+    t0 = time.perf_counter()
+    dist.recv(buf, src=stage * st.tp_size + st.tp_rank, tag=tag)
+    COMM.recv_seconds += time.perf_counter() - t0
+    COMM.recvs += 1
+    return buf
+
+
+def send_hidden(x: torch.Tensor, residual: torch.Tensor):
+    """Start sending a micro-batch's (block output, residual stream) to the next stage; returns the
+    request to wait on (the tensor it sends stays alive with it)."""
+    return _isend(torch.stack([x, residual]), get_tp().pp_rank + 1, HIDDEN_TAG)
+
+
+def recv_hidden(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's (block output, residual stream) from the stage before (blocks until it comes:
+    the time counts the previous stage's compute too)."""
+    buf = _recv((2, num_tokens, hidden), get_tp().pp_rank - 1, HIDDEN_TAG)
+    return buf[0], buf[1]
+
+
+def send_embedded(x: torch.Tensor):
+    """The last stage, holding a tied table: start sending a micro-batch's looked-up rows to the first."""
+    return _isend(x.contiguous(), 0, EMBEDDED_TAG)
+
+
+def recv_embedded(num_tokens: int, hidden: int) -> torch.Tensor:
+    """The first stage: a micro-batch's looked-up rows from the last stage (which holds the tied table)."""
+    return _recv((num_tokens, hidden), get_tp().pp_size - 1, EMBEDDED_TAG)
 
 
 def wait_sends(pending: list) -> None:
@@ -114,15 +150,3 @@ def wait_sends(pending: list) -> None:
     for work, _ in pending:
         work.wait()
     COMM.send_seconds += time.perf_counter() - t0
-
-
-def recv_hidden(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro-batch's (block output, residual stream) from the stage before (blocks until it comes:
-    the time counts the previous stage's compute too)."""
-    st = get_tp()
-    buf = torch.empty(2, num_tokens, hidden)
-    t0 = time.perf_counter()
-    dist.recv(buf, src=(st.pp_rank - 1) * st.tp_size + st.tp_rank)
-    COMM.recv_seconds += time.perf_counter() - t0
-    COMM.recvs += 1
-    return buf[0], buf[1]

@@ -3,8 +3,9 @@ micro-batch of the step's sequences.
 
 The step's sequences are cut into micro-batches of about equal tokens (`split_microbatches`; a step of
 fewer than 64 tokens a micro-batch, a decode step of a few sequences, stays whole); each
-goes through the stage in turn: the first stage embeds its tokens, a later one receives (block output,
-residual stream) from the stage before; then the stage's layers (the fused C++ step when the batch
+goes through the stage in turn: the first stage embeds its tokens (or, when the table is tied to the
+LM head, receives the rows the last stage looked up in it at the start of the step), a later one
+receives (block output, residual stream) from the stage before; then the stage's layers (the fused C++ step when the batch
 allows it, else the modules); then the hidden states are sent on (a send that does not wait: the
 stage goes on to the next micro-batch while the next stage computes this one, which is what lets the
 stages overlap), or, on the last stage, normed and kept. The last stage returns every row's hidden
@@ -16,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from turbollm.distributed import get_tp
-from turbollm.distributed.pipeline_parallel import (MIN_MICROBATCH_TOKENS, recv_hidden, send_hidden,
-                                                    split_microbatches, wait_sends)
+from turbollm.distributed.pipeline_parallel import (MIN_MICROBATCH_TOKENS, recv_embedded, recv_hidden,
+                                                    send_embedded, send_hidden, split_microbatches, wait_sends)
 from turbollm.engine.scheduler_output import SchedulerOutput
 
 
@@ -28,14 +29,20 @@ class PipelineStage:
     def run(self, sched: SchedulerOutput) -> torch.Tensor | None:
         runner, stage = self.runner, get_tp()
         model = runner.model
+        hidden = model.config.hidden_size
+        embeds = stage.embedding_stage(model.config.tie_word_embeddings)
         items = list(sched.scheduled_token_ids.items())
+        groups = split_microbatches([len(t) for _, t in items], self.microbatches, MIN_MICROBATCH_TOKENS)
+        batches = [runner.prepare(sched, items[g.start:g.stop]) for g in groups]
         parts, pending = [], []
-        for group in split_microbatches([len(t) for _, t in items], self.microbatches, MIN_MICROBATCH_TOKENS):
-            batch = runner.prepare(sched, items[group.start:group.stop])
+        if embeds != 0 and stage.pp_rank == embeds:  # the tied table's stage: every lookup first, for the first stage
+            pending.extend(send_embedded(model.embed(b.input_ids)) for b in batches)
+        for batch in batches:
             if stage.is_first_stage:
-                x, residual = model.embed(batch.input_ids), None
+                n = len(batch.input_ids)
+                x, residual = (model.embed(batch.input_ids) if embeds == 0 else recv_embedded(n, hidden)), None
             else:
-                x, residual = recv_hidden(len(batch.input_ids), model.config.hidden_size)
+                x, residual = recv_hidden(len(batch.input_ids), hidden)
             out = runner.run_layers(x, batch, residual)
             if stage.is_last_stage:
                 parts.append(model.final_norm(*out))
