@@ -27,12 +27,12 @@ def tiny(tmp_path_factory):
 
 
 PROMPTS = [{"prompt_token_ids": [int(t) for t in torch.randint(4, 300, (n,), generator=torch.Generator()
-                                                                  .manual_seed(n))]} for n in (5, 40, 90)]
+                                                                  .manual_seed(n))]} for n in (5, 40, 90, 100)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_two_stages_equal_one_process(tiny, arch):
-    """Two stages, three sequences in two micro-batches: the same greedy tokens as one process through the
+    """Two stages, two steps in flight, four sequences: the same greedy tokens as one process through the
     fused step (and, for llama, through the modules); each stage holds its layers only, and sends and receives per
     micro-batch."""
     one = LLM(str(tiny[arch]), threads=2)
@@ -43,7 +43,9 @@ def test_two_stages_equal_one_process(tiny, arch):
     for eager in (False, True) if arch == "llama" else (False,):  # the module path once: it is the same code
         llm = LLM(str(tiny[arch]), pipeline_parallel_size=2, threads=2, enforce_eager=eager)
         try:
+            in_flight = _count_in_flight(llm.engine)
             check_equal(ref, greedy_tokens(llm, PROMPTS), 1e-4)
+            assert max(in_flight) == 2  # stage 0 took a step while stage 1 ran the one before
             counts = llm.engine.args.pp_layer_partition
             assert len(counts) == 2 and sum(counts) == layers
             steps = llm.engine.executor.call("fused_steps")
@@ -52,14 +54,26 @@ def test_two_stages_equal_one_process(tiny, arch):
             assert all(b < 0.85 * whole for b in per_rank), (per_rank, whole)
             assert sum(per_rank) < 1.02 * whole, (per_rank, whole)  # a tied table too is held once
             stats = llm.engine.executor.call("comm_stats")
-            # the prompts' step (135 tokens) in 2 micro-batches, each decode step (3 tokens) whole; a tied
-            # table's rows come from the last stage, which holds it
+            # a step takes half the sequences: the prompts of 5 + 40 tokens (one micro-batch), those of 90 + 100
+            # (two), then 2 x 15 decode steps of two rows (whole); a tied table's rows come from the last stage
             tied = llm.engine.config.tie_word_embeddings
             assert tied == (arch != "qwen2")
-            assert stats[0]["sends"] == 2 + 15 and stats[0]["recvs"] == (2 + 15 if tied else 0)
+            assert stats[0]["sends"] == 3 + 30 and stats[0]["recvs"] == (3 + 30 if tied else 0)
             assert stats[1]["recvs"] == stats[0]["sends"] and stats[1]["sends"] == stats[0]["recvs"]
         finally:
             llm.engine.shutdown()
+
+
+def _count_in_flight(engine) -> list[int]:
+    """The steps in flight each time the engine hands one out (a list that fills as it runs)."""
+    seen, submit = [], engine.executor.submit
+
+    def counting(sched):
+        submit(sched)
+        seen.append(len(engine._in_flight) + 1)
+
+    engine.executor.submit = counting
+    return seen
 
 
 def test_int8_kv_in_two_stages(tiny):

@@ -128,16 +128,16 @@ def test_server_answers_a_clean_error_when_a_rank_dies_mid_request(tiny, paralle
 
     engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, **parallel))
     steps, t_kill = [0], [0.0]
-    execute = engine.executor.execute_model
+    collect = engine.executor.collect
 
-    def killing_step(sched):
+    def killing_collect():
         steps[0] += 1
         if steps[0] == 6:  # mid-request: the prompt is done and tokens are streaming
             os.kill(engine.executor._procs[1].pid, signal.SIGKILL)
             t_kill[0] = time.monotonic()
-        return execute(sched)
+        return collect()
 
-    engine.executor.execute_model = killing_step
+    engine.executor.collect = killing_collect
     aengine = AsyncLLMEngine(engine)
     app = build_app(aengine, ServerSettings(served_model_names=["tiny"]))
 

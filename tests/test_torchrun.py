@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -77,3 +78,66 @@ def test_two_torchrun_nodes_give_one_process_tokens(tiny, tmp_path, kw):
         assert list(o.outputs[0].token_ids) == tokens
         assert max(abs(next(iter(d.values())).logprob - b) for d, b in zip(o.outputs[0].logprobs, lps)) < 1e-4
     assert all(b < 0.85 * whole for b in got["footprints"]), (got["footprints"], whole)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from turbollm import LLM, SamplingParams
+    from turbollm.engine.executor.base import WorkerDiedError
+
+    if __name__ == "__main__":
+        model, out, kw = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+        (out.parent / f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+        llm = LLM(model, threads=2, **kw)  # rank 1: its worker, until it is killed
+        engine = llm.engine
+        engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(5):  # mid-request: the prompt is done and tokens are coming
+            engine.step()
+        os.kill(int((out.parent / "pid1").read_text()), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+            error = None
+        except WorkerDiedError as e:
+            error = str(e)
+        took = time.monotonic() - t0
+        try:
+            engine.step()  # the engine stays dead: every later step says why at once
+            again = None
+        except WorkerDiedError as e:
+            again = str(e)
+        out.write_text(json.dumps({"error": error, "seconds": took, "again": again}))
+        engine.shutdown()
+""")
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_a_torchrun_rank_killed_mid_request_ends_the_engine_within_10_s(tiny, tmp_path, kw):
+    """Rank 1 (the other "node") killed while rank 0 generates: rank 0's next step raises WorkerDiedError
+    within 10 s (its gloo connections close), and every later step says the ranks are out of step."""
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    out = tmp_path / "out.json"
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(script), str(tiny), str(out), json.dumps(kw)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    # rank 0's script writes its result and ends; its torchrun agent then waits at its exit barrier for the
+    # other node's agent (gone with its rank) for minutes: the test does not wait for the launchers
+    deadline = time.monotonic() + 240
+    while not out.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.5)
+    time.sleep(0.5)  # (the file is written in one call; let it close)
+    for p in procs:
+        p.kill()
+    logs = [p.communicate()[0] for p in procs]
+    assert out.exists(), "\n----\n".join(log[-3000:] for log in logs)
+    got = json.loads(out.read_text())
+    assert got["error"] is not None and got["seconds"] < 10, got
+    assert "rank 1 (pid" in got["error"] and "is gone" in got["error"], got
+    assert got["again"] is not None and "out of step" in got["again"], got

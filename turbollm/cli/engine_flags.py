@@ -83,6 +83,10 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--pp-microbatches", type=int, default=None,
                    help="a step's sequences cut into this many micro-batches so the stages overlap (default: one "
                         "per stage), each of 64 tokens or more (a decode step of a few sequences stays whole)")
+    p.add_argument("--pp-steps-in-flight", type=int, default=None,
+                   help="steps handed to the pipeline before the oldest one's tokens are back, each with its share "
+                        "of the sequences, so the stages overlap in decode too (default: one per stage; 1: a step "
+                        "at a time)")
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "torchrun"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data (chosen for you with -tp or -pp > 1); torchrun: "
@@ -108,5 +112,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
         tensor_parallel_size=ns.tensor_parallel_size, tp_shared_memory=ns.tp_shared_memory,
         pipeline_parallel_size=ns.pipeline_parallel_size, pp_layer_partition=ns.pp_layer_partition,
-        pp_microbatches=ns.pp_microbatches,
+        pp_microbatches=ns.pp_microbatches, pp_steps_in_flight=ns.pp_steps_in_flight,
         speculative_config=getattr(ns, "speculative_config", None))

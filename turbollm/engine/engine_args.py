@@ -108,10 +108,13 @@ class EngineArgs:
     # of tensor_parallel_size processes with its layers' weights and KV cache; hidden states sent between
     # stages. pp_layer_partition: layers per stage ("12,12"; None: balanced by parameters);
     # pp_microbatches: a step's sequences cut into this many micro-batches so the stages overlap
-    # (None: one per stage), each of 64 tokens or more (distributed/pipeline_parallel.MIN_MICROBATCH_TOKENS)
+    # (None: one per stage), each of 64 tokens or more (distributed/pipeline_parallel.MIN_MICROBATCH_TOKENS);
+    # pp_steps_in_flight: steps handed out before the oldest one's tokens are back, each with its share of
+    # the sequences, so that the stages overlap in decode too (None: one per stage; 1: a step at a time)
     pipeline_parallel_size: int = 1
     pp_layer_partition: object = None
     pp_microbatches: int | None = None
+    pp_steps_in_flight: int | None = None
     # speculative decoding (turbollm/spec_decode): vLLM's speculative_config, a dict or its JSON text;
     # parsed into a SpeculativeConfig here (every bad field named before anything loads): "ngram",
     # "suffix" or "draft_model" (a draft model is checked against the target by the engine, unloaded)
@@ -137,8 +140,9 @@ class EngineArgs:
             raise InvalidRequestError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise InvalidRequestError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pp_microbatches is not None and self.pp_microbatches < 1:
-            raise InvalidRequestError(f"pp_microbatches must be >= 1, got {self.pp_microbatches}")
+        for name in ("pp_microbatches", "pp_steps_in_flight"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         from turbollm.distributed.pipeline_parallel import parse_partition
 
         self.pp_layer_partition = parse_partition(self.pp_layer_partition)

@@ -10,6 +10,10 @@ fork off it at its first sample). `step()` is schedule → executor → update �
   forks siblings and applies the token-level stop rules;
 - the `OutputProcessor` detokenizes, finds stop strings and builds the `RequestOutput`s.
 
+With pipeline stages the executor takes several steps at once (`max_steps_in_flight`): `step()` hands
+out steps (each with about 1/P of the sequences, none of them in a step still in flight) until P are
+out, then takes the oldest one's output, so that stage 0 runs step k + 1 while stage 1 finishes step k.
+
 `abort` ends a request at once and returns its KV blocks.
 
 Limits: `max_model_len` is capped at start-up to the tokens the KV pool holds (with a log
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -41,6 +46,7 @@ from turbollm.engine.kv_policy import get_kv_policy
 from turbollm.engine.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
 from turbollm.engine.scheduler import Scheduler
+from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.engine.draft_runner import DraftRunner
 from turbollm.engine.sequence import Sequence
 from turbollm.engine.step_profile import profile_step_costs
@@ -155,6 +161,9 @@ class LLMEngine:
                 self.scheduler.planner.profile_seq_id = scratch
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
+        # steps handed to the executor and not yet collected, with when each went (pipeline stages: several)
+        self.scheduler.max_steps_in_flight = self.executor.max_steps_in_flight
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
 
     def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int, model_len: int) -> None:
         """A group that releases blocks must hold one sequence's window alone (else a long sequence would
@@ -269,21 +278,36 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        """Hand out steps until the executor has `max_steps_in_flight` (1, or a pipeline's stages) or nothing
+        more can be scheduled, then take the oldest one's output and return what it finished or advanced."""
         touched: dict[str, None] = {}
-        for sid in sched.unschedulable_seq_ids:
-            seq = self.scheduler.seqs[sid]
-            self.output_processor.fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV cache but "
-                                                       f"the cache holds {self.kv_config.num_tokens or 'less'}; "
-                                                       f"raise kv_cache_memory or lower max_model_len")
-            touched[seq.request_id] = None
-        if sched.is_empty:
+        while len(self._in_flight) < self.executor.max_steps_in_flight:
+            sched = self.scheduler.schedule()
+            for sid in sched.unschedulable_seq_ids:
+                seq = self.scheduler.seqs[sid]
+                self.output_processor.fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV cache "
+                                                           f"but the cache holds {self.kv_config.num_tokens or 'less'}; "
+                                                           f"raise kv_cache_memory or lower max_model_len")
+                touched[seq.request_id] = None
+            if sched.is_empty:
+                break
+            self._note_first_scheduled(sched)
+            try:
+                self.executor.submit(sched)
+            except BaseException:
+                self.scheduler.returned(sched)
+                raise
+            self._in_flight.append((sched, time.perf_counter()))
+        if not self._in_flight:
             if not touched and self.scheduler.has_unfinished():
                 raise RuntimeError("internal error: the scheduler made no progress with requests waiting")
             return self.output_processor.outputs(touched)
-        self._note_first_scheduled(sched)
-        t0 = time.perf_counter()
-        out = self.executor.execute_model(sched)
+        sched, t0 = self._in_flight.popleft()
+        try:
+            out = self.executor.collect()
+        except BaseException:
+            self.scheduler.returned(sched)
+            raise
         self.scheduler.observe_step(sched, time.perf_counter() - t0)
         update = self.scheduler.update_from_output(sched, out)
         return self.output_processor.process(update, touched)

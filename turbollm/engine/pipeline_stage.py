@@ -25,18 +25,41 @@ from turbollm.engine.scheduler_output import SchedulerOutput
 class PipelineStage:
     def __init__(self, runner, microbatches: int):
         self.runner, self.microbatches = runner, microbatches
+        # the tied table's stage: lookups sent ahead for steps queued behind the running one, with their sends
+        self._ahead: list[tuple[SchedulerOutput, list]] = []
 
-    def run(self, sched: SchedulerOutput) -> torch.Tensor | None:
+    def _groups(self, sched: SchedulerOutput) -> list[range]:
+        counts = [len(t) for t in sched.scheduled_token_ids.values()]
+        return split_microbatches(counts, self.microbatches, MIN_MICROBATCH_TOKENS)
+
+    def _send_lookups(self, sched: SchedulerOutput) -> list:
+        """The tied table's stage: look up the step's tokens, micro-batch by micro-batch, and start sending the
+        rows to the first stage; returns the sends."""
+        tokens = list(sched.scheduled_token_ids.values())
+        ids = [torch.tensor([t for seq in tokens[g.start:g.stop] for t in seq], dtype=torch.int64)
+               for g in self._groups(sched)]
+        return [send_embedded(self.runner.model.embed(i)) for i in ids]
+
+    def run(self, sched: SchedulerOutput, upcoming: list[SchedulerOutput] = ()) -> torch.Tensor | None:
+        """This stage's part of step `sched`; `upcoming`: the steps queued behind it (several steps in flight),
+        whose lookups the tied table's stage sends ahead so that the first stage can start them while this
+        one still computes."""
         runner, stage = self.runner, get_tp()
         model = runner.model
         hidden = model.config.hidden_size
         embeds = stage.embedding_stage(model.config.tie_word_embeddings)
         items = list(sched.scheduled_token_ids.items())
-        groups = split_microbatches([len(t) for _, t in items], self.microbatches, MIN_MICROBATCH_TOKENS)
-        batches = [runner.prepare(sched, items[g.start:g.stop]) for g in groups]
+        batches = [runner.prepare(sched, items[g.start:g.stop]) for g in self._groups(sched)]
         parts, pending = [], []
-        if embeds != 0 and stage.pp_rank == embeds:  # the tied table's stage: every lookup first, for the first stage
-            pending.extend(send_embedded(model.embed(b.input_ids)) for b in batches)
+        if embeds != 0 and stage.pp_rank == embeds:
+            if self._ahead and self._ahead[0][0] is sched:
+                pending.extend(self._ahead.pop(0)[1])
+            else:
+                pending.extend(self._send_lookups(sched))
+            if stage.tp_size == 1:  # (a vocabulary-parallel lookup all-reduces: its ranks must agree on when)
+                sent = [s for s, _ in self._ahead]
+                self._ahead.extend((s, self._send_lookups(s)) for s in upcoming
+                                   if not s.is_empty and not any(s is t for t in sent))
         for batch in batches:
             if stage.is_first_stage:
                 n = len(batch.input_ids)

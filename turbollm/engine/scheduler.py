@@ -25,12 +25,19 @@ cache, forks n > 1 siblings off a prompt at its first sample, passes the attenti
 eviction policy to the KV-cache manager (which may evict blocks), and applies the token-level stop
 rules (end tokens after `min_tokens`, `max_tokens`, the context); stop strings, which need the
 text, are the output processor's. Blocks and the prefix cache are `KVCacheManager`'s.
+
+Steps in flight (pipeline stages, `max_steps_in_flight` = P): the engine may ask for step k + 1 before
+step k's tokens are back. A sequence in a step still in flight (`in_flight`) is neither scheduled nor
+preempted until `update_from_output` (or `returned`, for a step that failed) takes the step back, and a
+step takes at most 1/P of the unfinished sequences, so the P steps in flight share them. A block freed
+while a step that used it is in flight (an aborted request) may go to a later step at once: every
+stage runs the steps in order, so the later step's writes come after the earlier one's.
+The speculative-decoding side (drafts per decode, the adaptive planner) is `scheduler_spec.py`'s.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,7 +45,7 @@ from turbollm.engine.kv_cache_manager import KVCacheManager
 from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.engine.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
 from turbollm.engine.sequence import Sequence, SequenceStatus
-from turbollm.spec_decode.adaptive import AdaptivePlanner
+from turbollm.engine.scheduler_spec import SpeculationPlanning
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.proposers import Proposer
 
@@ -59,17 +66,11 @@ class SchedulerUpdate:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # sampling raised for these
 
 
-class Scheduler:
+class Scheduler(SpeculationPlanning):
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, proposer: Proposer | None = None, num_spec_tokens: int = 0):
         self.kv, self.block_size = kv, kv.block_size
-        # speculative decoding: drafts for eligible decodes (`_drafts`), verified by the workers
-        self.proposer, self.num_spec_tokens = proposer, num_spec_tokens
-        # verified steps, draft tokens proposed, drafts accepted (vLLM's spec_decode counters)
-        self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        self.spec_accepted_per_pos = [0] * num_spec_tokens  # drafts accepted at each position 0..K-1
-        self.propose_seconds = 0.0  # time spent in the proposer (the benchmark's draft / verify split)
-        self.planner: AdaptivePlanner | None = None  # adaptive speculation: drafts per sequence and step
+        self._init_speculation(proposer, num_spec_tokens)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -81,6 +82,11 @@ class Scheduler:
         self._resumed: set[int] = set()  # preempted, their tables cleared on the workers
         # (group, table position) of entries released out of a sliding window and not yet sent to the workers
         self._released: dict[int, list[tuple[int, int]]] = {}
+        # steps handed out before the previous ones are back (pipeline stages: `max_steps_in_flight` = stages):
+        # a sequence in a step not yet back is not scheduled or preempted, and a step takes about
+        # 1 / max_steps_in_flight of the unfinished sequences, so that the steps in flight share them
+        self.max_steps_in_flight = 1
+        self.in_flight: set[int] = set()
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -125,14 +131,15 @@ class Scheduler:
         # position) of the entries replaced: copied on write, or released out of a sliding window)
         budget = self.max_num_batched_tokens
         drafts: dict[int, list[int]] = {}
-        running = list(self.running)
+        running = [s for s in self.running if s.seq_id not in self.in_flight]
+        per_step = -(-(len(self.running) + len(self.waiting)) // self.max_steps_in_flight)  # sequences a step takes
         for seq in running:  # every running sequence returns the blocks its windows passed, scheduled or not
             released = self.kv.release_out_of_window(seq)
             if released:
                 self._released.setdefault(seq.seq_id, []).extend(released)
         plan = self._plan(running) if self.proposer is not None and self.planner is not None else None
         for idx, seq in enumerate(running):
-            if seq not in self.running or budget == 0:
+            if seq not in self.running or budget == 0 or len(chosen) == per_step:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
@@ -159,11 +166,11 @@ class Scheduler:
                 n, k = 1, 0
                 drafts.pop(seq.seq_id, None)
                 need = self.kv.blocks_needed(seq, n) + (shared is not None)
-            while not self.kv.can_allocate(need) and self.running[-1] is not seq:
-                self._preempt(self.running[-1], out)
+            while not self.kv.can_allocate(need) and (victim := self._victim(seq)) is not None:
+                self._preempt(victim, out)
             if not self.kv.can_allocate(need):
                 drafts.pop(seq.seq_id, None)
-                if self.running[0] is seq:  # alone, and still too big: it can never run
+                if len(self.running) == 1:  # alone, and still too big: it can never run
                     self._drop(seq, out)
                 else:
                     self._preempt(seq, out)
@@ -180,7 +187,8 @@ class Scheduler:
                     drafts[seq.seq_id] = d
             chosen.append((seq, n, replaced))
             budget -= n
-        while self.waiting and budget > 0 and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
+        while self.waiting and budget > 0 and len(chosen) < per_step \
+                and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             self.kv.take_cached_prefix(seq)
             self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
@@ -206,10 +214,25 @@ class Scheduler:
                 out.scheduled_token_ids[seq.seq_id] = out.scheduled_token_ids[seq.seq_id] + d
                 out.spec_token_ids[seq.seq_id] = d
         self.kv.note_usage()
+        self.in_flight.update(out.scheduled_token_ids)
         if out.is_empty:  # nothing runs: the workers hear of the finished sequences next time
             self._finished_ids = out.finished_seq_ids + self._finished_ids
             out.finished_seq_ids = []
         return out
+
+    def _victim(self, seq: Sequence) -> Sequence | None:
+        """The sequence to preempt for `seq`'s blocks: the newest running one after it that is not in a step
+        still in flight (its blocks are in use there), or None."""
+        for other in reversed(self.running):
+            if other is seq:
+                return None
+            if other.seq_id not in self.in_flight:
+                return other
+        return None
+
+    def returned(self, sched: SchedulerOutput) -> None:
+        """A step handed out is back (or failed): its sequences may be scheduled again."""
+        self.in_flight.difference_update(sched.scheduled_token_ids)
 
     def _describe(self, seq: Sequence, n: int, replaced: list[tuple[int, int]], out: SchedulerOutput) -> None:
         """Put what the workers need of `seq` for this step into `out` (only what they do not know)."""
@@ -234,53 +257,6 @@ class Scheduler:
         out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
         if c + n == seq.num_tokens and seq.pending_forks:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
-
-    def _plan(self, running: list[Sequence]) -> dict[int, int]:
-        """Adaptive speculation: drafts per decode for this step (`AdaptivePlanner`), for a step whose rows
-        without drafts are every running sequence's tokens still to compute (within the budget)."""
-        base = min(sum(s.num_tokens - s.num_computed_tokens for s in running), self.max_num_batched_tokens)
-        limits = {s.seq_id: self._draft_limit(s, ROW_INVARIANT_ROWS - base) for s in running
-                  if s.num_tokens - s.num_computed_tokens == 1}
-        return self.planner.plan(limits, base)
-
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A step's measured time, for the adaptive cost model (decode and verification steps only)."""
-        if self.planner is None or sched.new_reqs:
-            return
-        spec = sched.spec_token_ids
-        if all(len(t) - len(spec.get(sid, ())) == 1 for sid, t in sched.scheduled_token_ids.items()):
-            self.planner.costs.observe(sum(map(len, sched.scheduled_token_ids.values())), seconds)
-
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
-        t0 = time.perf_counter()
-        drafts: list[int] = []
-        try:
-            drafts = self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
-            return drafts
-        finally:
-            seconds = time.perf_counter() - t0
-            self.propose_seconds += seconds
-            if self.planner is not None:
-                own = self.proposer.seconds_per_draft  # a draft model: its one-token steps (no catch-up)
-                if own is not None:
-                    self.planner.costs.draft_seconds = own
-                else:
-                    self.planner.costs.observe_draft(len(drafts), seconds)
-
-    def _draft_limit(self, seq: Sequence, room: int) -> int:
-        """How many draft tokens a decode of `seq` may verify this step: any sampling settings speculate
-        (the workers verify each row with its own history, `ModelRunner._verify`), but not a prompt that
-        still has n > 1 siblings to fork, and never past max_tokens, the context, the step's token budget
-        or, with the tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
-        p = seq.params
-        if seq.pending_forks:
-            return 0
-        k = min(self.num_spec_tokens, room)
-        if p.max_tokens is not None:
-            k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
-        if self.max_model_len is not None:
-            k = min(k, self.max_model_len - seq.num_tokens - 1)
-        return max(k, 0)
 
     def finish_scratch(self, seq_id: int) -> None:
         """A sequence the engine ran on the workers outside the scheduler (a profile): they drop it next step."""
@@ -319,6 +295,7 @@ class Scheduler:
         """Apply a step's results: counters, prefix-cache blocks, forks, new tokens and their stop rules."""
         result = SchedulerUpdate()
         updates: dict[int, SeqUpdate] = {}
+        self.returned(sched)
         for sid, tokens in sched.scheduled_token_ids.items():
             seq = self.seqs.get(sid)
             if seq is not None and sid not in sched.spec_token_ids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from turbollm.engine.engine_args import EngineArgs
 from turbollm.engine.kv_cache_spec import KVCacheConfig
@@ -26,6 +27,7 @@ class Executor(ABC):
     def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None):
         self.args, self.kv_config = args, kv_config
         self.footprint = None  # the workers' ModelFootprint, set once they have loaded the model
+        self._submitted: deque[SchedulerOutput] = deque()  # steps handed out, not yet collected
 
     def _set_footprints(self, footprints: list, tp: int) -> None:
         """Each rank's footprint, and the engine's: a tensor-parallel rank's share, or with pipeline
@@ -38,6 +40,18 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; raises ExecutorError when a worker fails it."""
+
+    # Steps in flight: the engine may hand out up to `max_steps_in_flight` steps (`submit`) before it takes
+    # the oldest one's output (`collect`). An executor whose workers run a step at a time runs it in
+    # `collect`; pipeline stages take the next step while the later stages finish the one before.
+    max_steps_in_flight = 1
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        self._submitted.append(sched)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (raises as `execute_model` does)."""
+        return self.execute_model(self._submitted.popleft())
 
     def comm_stats(self) -> list[dict] | None:
         """Each tensor-parallel rank's time, calls and bytes in collectives so far (None: one rank)."""

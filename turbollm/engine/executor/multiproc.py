@@ -25,14 +25,18 @@ import multiprocessing.connection as mp_connection
 import os
 import random
 import signal
+import queue
 import socket
+import threading
 import time
 import traceback
+from collections import deque
 import weakref
 
 from turbollm.distributed.shm_comm import ShmFiles
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.engine.executor.procfs import cpu_ticks, proc_state
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 
@@ -62,22 +66,40 @@ def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=N
             dist.destroy_process_group()
 
 
-def _serve(conn, worker) -> None:
+def _read(conn, inbox: queue.Queue) -> None:
+    """The worker's reader thread: every message into `inbox` as it comes, so the engine's sends never wait
+    for a step to end (with steps in flight it sends the next while this worker runs one), and a worker
+    sees the steps queued behind the one it runs."""
     while True:
         try:
-            msg = conn.recv()
+            inbox.put(conn.recv())
         except (EOFError, OSError):
+            inbox.put(("shutdown",))
             return
         except BaseException:  # noqa: BLE001 - a message that does not unpickle: say so, keep serving
-            conn.send(("error", -1, traceback.format_exc()))
-            continue
+            inbox.put(("unreadable", -1, traceback.format_exc()))
+
+
+def _queued_steps(inbox: queue.Queue) -> list:
+    with inbox.mutex:
+        return [m[2] for m in inbox.queue if m[0] == "execute"]
+
+
+def _serve(conn, worker) -> None:
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read, args=(conn, inbox), name="turbollm-worker-reader", daemon=True).start()
+    while True:
+        msg = inbox.get()
         if msg[0] == "shutdown":
             return
+        if msg[0] == "unreadable":
+            conn.send(("error", -1, msg[2]))
+            continue
         try:
             if msg[0] == "call":  # a worker method by name (tests and benchmarks read per-rank state)
                 conn.send(("ok", msg[1], getattr(worker, msg[2])()))
             else:
-                conn.send(("ok", msg[1], worker.execute_model(msg[2])))
+                conn.send(("ok", msg[1], worker.execute_model(msg[2], _queued_steps(inbox))))
         except Exception:  # noqa: BLE001 - this step failed; the worker keeps serving
             conn.send(("error", msg[1], traceback.format_exc()))
 
@@ -130,6 +152,10 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, shm)
         self._step = 0
         self._broken: str | None = None  # several ranks: why they can no longer run steps together
+        # pipeline stages run steps in flight: stage 0 takes step k + 1 while the later stages finish step k
+        self.max_steps_in_flight = args.pp_steps_in_flight or args.pipeline_parallel_size
+        self._in_flight: deque[int] = deque()  # the numbers of the steps sent and not collected, oldest first
+        self._early: dict[int, dict[int, tuple]] = {}  # replies to a step in flight, come while waiting on an older one
         try:
             replies = self._gather("starting", 0, startup=True)
         except ExecutorError as e:  # a worker that said why (ExecutorError), or died without a word
@@ -169,7 +195,7 @@ class MultiprocExecutor(Executor):
         whose collectives timed out (a peer died or hangs) reports it after `STEP_TIMEOUT_S`, so the
         silent one is named as hung `HANG_GRACE_S` later; after any other answer the silent ranks get
         both (they finish the same step's work). Start-up has no deadline (ranks load at their pace)."""
-        replies: dict[int, tuple] = {}
+        replies: dict[int, tuple] = self._early.pop(step, {})
         deadline = None
         stall = _Stall(self._procs) if not startup and len(self._conns) > self._tp else None
         while len(replies) < len(self._conns):
@@ -182,7 +208,9 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     raise self._dead(rank, doing) from None
                 if tag not in (step, -1):
-                    continue  # a reply to a step the engine gave up on
+                    if tag in self._in_flight:  # an earlier stage's answer to a later step
+                        self._early.setdefault(tag, {})[rank] = (kind, tag, payload)
+                    continue  # else a reply to a step the engine gave up on
                 replies[rank] = (kind, tag, payload)
                 if startup and kind != "ready":  # the others may wait for it to join: stop here
                     raise _start_failure(rank, payload)
@@ -201,7 +229,7 @@ class MultiprocExecutor(Executor):
             if deadline is not None and time.monotonic() > deadline:
                 # a stalled pipeline: a stage waits on its neighbour whichever of them hangs; a stopped process
                 # is the one, else every silent rank is named
-                stopped = [r for r in silent if _proc_state(self._procs[r].pid) in ("T", "t")] if stalled else []
+                stopped = [r for r in silent if proc_state(self._procs[r].pid) in ("T", "t")] if stalled else []
                 rank = (stopped or silent)[0]
                 others = "" if stopped or not stalled or len(silent) == 1 else \
                     f" (or one of workers {', '.join(map(str, silent[1:]))}, which wait on each other)"
@@ -226,15 +254,34 @@ class MultiprocExecutor(Executor):
             self._broken = str(e)
         return e
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _check_in_step(self) -> None:
         if self._broken is not None:
             raise WorkerDiedError(f"the parallel ranks are out of step since: {self._broken}")
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self._in_flight:
+            raise ExecutorError("execute_model with steps in flight: collect them first")
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        self._check_in_step()
         self._step += 1
         try:
             self._send_all(("execute", self._step, sched))
-            replies = self._gather("running a step", self._step)
         except WorkerDiedError as e:
             raise self._fatal(e) from None
+        self._in_flight.append(self._step)
+
+    def collect(self) -> ModelRunnerOutput:
+        self._check_in_step()
+        step = self._in_flight[0]
+        try:
+            replies = self._gather("running a step", step)
+        except WorkerDiedError as e:
+            raise self._fatal(e) from None
+        finally:
+            self._in_flight.popleft()
         for rank, (kind, _, payload) in enumerate(replies):
             if kind != "ok":
                 if len(self._conns) > 1:  # a rank that failed a step leaves the others' collectives behind
@@ -254,8 +301,9 @@ class MultiprocExecutor(Executor):
 
     def call(self, method: str) -> list:
         """Worker method `method()` on every rank (no arguments; plain data back), in rank order."""
-        if self._broken is not None:
-            raise WorkerDiedError(f"the parallel ranks are out of step since: {self._broken}")
+        self._check_in_step()
+        if self._in_flight:
+            raise ExecutorError(f"call({method!r}) with steps in flight: collect them first")
         self._step += 1
         self._send_all(("call", self._step, method))
         replies = self._gather(f"answering {method}", self._step)
@@ -279,7 +327,7 @@ class _Stall:
         self.procs, self.base, self.since = procs, {}, time.monotonic()
 
     def stalled(self, waiting: list[int]) -> bool:
-        ticks = {r: _cpu_ticks(self.procs[r].pid) for r in waiting}
+        ticks = {r: cpu_ticks(self.procs[r].pid) for r in waiting}
         if None in ticks.values():
             return False
         used = sum(t - self.base.get(r, t) for r, t in ticks.items())
@@ -289,29 +337,6 @@ class _Stall:
 
 
 ACTIVE_CPU_S = 0.2  # CPU seconds per STEP_TIMEOUT_S: a rank computing uses ~30x that
-
-
-def _proc_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name (state first), or None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def _cpu_ticks(pid: int) -> int | None:
-    """User + system CPU time of process `pid`, in clock ticks (None when it cannot be read)."""
-    fields = _proc_fields(pid)
-    try:
-        return int(fields[11]) + int(fields[12]) if fields else None
-    except (ValueError, IndexError):
-        return None
-
-
-def _proc_state(pid: int) -> str | None:
-    fields = _proc_fields(pid)
-    return fields[0] if fields else None
 
 
 def _start_failure(rank: int, traceback_text) -> ExecutorError:

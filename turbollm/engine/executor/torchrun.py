@@ -9,13 +9,16 @@ that is fatal for the engine.
 
 from __future__ import annotations
 
+import os
 import random
+import socket
 import traceback
 
 import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.engine.executor.procfs import proc_state
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 
@@ -41,7 +44,7 @@ class TorchrunExecutor(Executor):
         failure = None
         try:
             self.worker = Worker(args, kv_config, rank=0, sampler_seed=seed)
-            mine = ("ok", self.worker.footprint())
+            mine = ("ok", (self.worker.footprint(), _whereabouts()))
         except BaseException as e:  # noqa: BLE001 - the others still answer the gather
             mine, failure = ("error", repr(e)), e
         try:
@@ -57,7 +60,8 @@ class TorchrunExecutor(Executor):
                 pass
             rank, payload = failed[0]
             raise ExecutorError(f"rank {rank} failed to start:\n{payload}") from (failure if rank == 0 else None)
-        self._set_footprints([p for _, p in replies], args.tensor_parallel_size)
+        self._set_footprints([p[0] for _, p in replies], args.tensor_parallel_size)
+        self._where = [p[1] for _, p in replies]  # each rank's (host, pid): who to name when one is gone
 
     def _round(self, kind: str, payload, run) -> list:
         if self._broken is not None:
@@ -65,7 +69,7 @@ class TorchrunExecutor(Executor):
         try:
             broadcast((kind, payload), self._group)
         except Exception as e:  # noqa: BLE001 - a rank is gone (its connections closed)
-            self._broken = f"the step could not be sent to every rank ({type(e).__name__}: {e})"
+            self._broken = f"{self._gone()}: the step could not be sent to every rank ({type(e).__name__}: {e})"
             raise WorkerDiedError(self._broken) from None
         try:
             mine = ("ok", run())
@@ -74,7 +78,7 @@ class TorchrunExecutor(Executor):
         try:
             replies = gather(mine, self._group)
         except Exception as e:  # noqa: BLE001 - a rank died (its connections closed) or hangs (the gather timed out)
-            self._broken = f"the ranks did not all answer {kind} ({type(e).__name__}: {e})" + (
+            self._broken = f"{self._gone()}: the ranks did not all answer {kind} ({type(e).__name__}: {e})" + (
                 f"; rank 0: {mine[1]}" if mine[0] != "ok" else "")
             raise WorkerDiedError(self._broken) from None
         for rank, (k, p) in enumerate(replies):
@@ -82,6 +86,16 @@ class TorchrunExecutor(Executor):
                 self._broken = f"rank {rank} failed {kind}:\n{p}"
                 raise WorkerDiedError(self._broken)
         return [p for _, p in replies]
+
+    def _gone(self) -> str:
+        """The ranks to blame when a collective with them failed: those on this host whose process is gone,
+        else every other rank (gloo names only a peer's address)."""
+        host = socket.gethostname()
+        dead = [r for r, (h, pid) in enumerate(self._where) if r and h == host and not _alive(pid)]
+        if dead:
+            return ", ".join(f"rank {r} (pid {self._where[r][1]}) is gone" for r in dead)
+        return "a rank is gone or hangs (" + ", ".join(f"rank {r}: pid {pid} on {h}" for r, (h, pid) in
+                                                     enumerate(self._where) if r) + ")"
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self._round("execute", sched, lambda: self.worker.execute_model(sched))[self._out_rank]
@@ -105,6 +119,20 @@ class TorchrunExecutor(Executor):
             dist.destroy_process_group()
 
 
+def _whereabouts() -> tuple[str, int]:
+    return socket.gethostname(), os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return proc_state(pid) != "Z"  # (a zombie: dead, its parent not yet told)
+
+
 def run_worker() -> bool:
     """A rank > 0: build the worker from what rank 0 sends, then run its messages until told to stop;
     False when it could not start (rank 0 says why)."""
@@ -123,7 +151,7 @@ def run_worker() -> bool:
         broadcast(None, group)
         dist.destroy_process_group()
         return False
-    gather(("ok", worker.footprint()), group)
+    gather(("ok", (worker.footprint(), _whereabouts())), group)
     out_rank = args.world_size - args.tensor_parallel_size  # the first rank of the last stage
     try:
         while True:

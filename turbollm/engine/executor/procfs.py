@@ -1,0 +1,26 @@
+"""What /proc says of a process (Linux): its state and the CPU time it used; None where it cannot be read."""
+
+from __future__ import annotations
+
+
+def proc_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state first), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of process `pid`, in clock ticks (None when it cannot be read)."""
+    fields = proc_fields(pid)
+    try:
+        return int(fields[11]) + int(fields[12]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def proc_state(pid: int) -> str | None:
+    fields = proc_fields(pid)
+    return fields[0] if fields else None
