@@ -140,6 +140,21 @@ def test_partition_balances_parameters_with_the_lm_head_on_the_last_stage():
             partition_layers(_config(), 2, bad)
 
 
+def test_each_stage_reads_its_own_tensors():
+    """The loader's filter: a stage reads its layers; the first the embedding (untied), the last the norm and the
+    head, and a tied table; a layer past the model's goes to the last stage (which refuses it as one process would)."""
+    from turbollm.distributed import ParallelState
+
+    first, last = (ParallelState(pp_size=2, pp_rank=r, layer_start=a, layer_end=b) for r, a, b in ((0, 0, 12), (1, 12, 24)))
+    name = "model.layers.{}.mlp.down_proj.weight".format
+    assert first.holds_weight(name(11), False) and not first.holds_weight(name(12), False)
+    assert last.holds_weight(name(12), False) and last.holds_weight(name(30), False) and not first.holds_weight(name(30), False)
+    for tied in (False, True):
+        assert first.holds_weight("model.embed_tokens.weight", tied) is not tied
+        assert last.holds_weight("model.embed_tokens.weight", tied) is tied
+        assert last.holds_weight("model.norm.weight", tied) and not first.holds_weight("lm_head.weight", tied)
+
+
 def test_microbatches_cut_sequences_by_tokens():
     assert split_microbatches([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
     assert split_microbatches([100, 1, 1], 2) == [range(0, 1), range(1, 3)]

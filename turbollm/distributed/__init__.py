@@ -51,8 +51,9 @@ class ParallelState:
         """Whether this stage loads checkpoint tensor `hf_name` (Hugging Face naming)."""
         if self.pp_size == 1:
             return True
-        if hf_name.startswith("model.layers."):
-            return self.holds_layer(int(hf_name.split(".")[2]))
+        if hf_name.startswith("model.layers."):  # (past the model's layers: the last stage's, to refuse)
+            i = int(hf_name.split(".")[2])
+            return self.holds_layer(i) or (self.is_last_stage and self.layer_end is not None and i >= self.layer_end)
         if hf_name.startswith("model.embed_tokens."):
             return self.holds_embedding(tied)
         if hf_name.startswith(("lm_head.", "model.norm.")):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections import deque
 from typing import Any
@@ -68,6 +69,9 @@ class LLMEngine:
         if args.distributed_executor_backend == "torchrun" and torchrun_rank():
             ok = run_worker()  # a rank > 0 that torchrun started: a worker of rank 0's engine, until it stops
             raise SystemExit(0 if ok else 1)
+        if args.world_size == 1 and torchrun_rank() is not None:
+            logger.warning("torchrun started %s processes, but tensor_parallel_size x pipeline_parallel_size is 1: "
+                           "each process runs an engine of its own", os.environ.get("WORLD_SIZE"))
         self.args = args
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)

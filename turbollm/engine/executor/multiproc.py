@@ -300,11 +300,10 @@ class MultiprocExecutor(Executor):
         return self.call("comm_stats") if len(self._conns) > 1 else None
 
     def call(self, method: str) -> list:
-        """Worker method `method()` on every rank (no arguments; plain data back), in rank order."""
+        """Worker method `method()` on every rank (no arguments; plain data back), in rank order; each rank
+        answers after the steps sent before it."""
         self._check_in_step()
-        if self._in_flight:
-            raise ExecutorError(f"call({method!r}) with steps in flight: collect them first")
-        self._step += 1
+        self._step += 1  # (with steps in flight each rank answers once it has run them; their replies are kept)
         self._send_all(("call", self._step, method))
         replies = self._gather(f"answering {method}", self._step)
         for rank, (kind, _, payload) in enumerate(replies):
