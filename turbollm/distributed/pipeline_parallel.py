@@ -4,7 +4,8 @@ stage hands the next.
 A stage is a group of `tensor_parallel_size` ranks (global rank = stage × tp + tp rank) holding a
 contiguous range of decoder layers and their KV caches; the first stage also embeds the tokens,
 the last one holds the final norm and the LM head and samples. A table tied to the LM head is held by
-the last stage alone: it looks the tokens up and sends the rows to the first (`send_embedded`). Every rank gets every step's
+the last stage alone: it looks the tokens up and sends the rows to the first (`send_embedded`, from a
+thread of its own as soon as a step arrives, through a group of its own: `init_lookup_groups`). Every rank gets every step's
 `SchedulerOutput` (its sequences' state stays in step with no further messages); a stage receives
 (block output, residual stream) of each micro-batch from the same TP rank of the stage before and
 sends its own to the next (`send_hidden` / `recv_hidden`, gloo point-to-point, timed in the rank's
@@ -17,13 +18,14 @@ weighs as much as several layers). The embedding is a lookup and weighs nothing 
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
 import torch.distributed as dist
 
 from turbollm.distributed import get_tp
-from turbollm.distributed.tensor_parallel import COMM
+from turbollm.distributed.tensor_parallel import COMM, JOIN_TIMEOUT_S
 from turbollm.errors import InvalidRequestError
 
 
@@ -97,9 +99,20 @@ def split_microbatches(token_counts: list[int], m: int, min_tokens: int = 1) -> 
     return [r for r in out if len(r)]
 
 
-# point-to-point tags: the hidden states a stage hands the next, and the looked-up rows of a tied table
-# the last stage sends the first (with two stages both pass between the same two ranks)
-HIDDEN_TAG, EMBEDDED_TAG = 0, 1
+# point-to-point tag of the hidden states a stage hands the next
+HIDDEN_TAG = 0
+_LOOKUP_GROUP: list = [None]  # the first and the last stage's ranks of this TP rank: the tied table's rows
+
+
+def init_lookup_groups(rank: int, tp: int, pp: int) -> None:
+    """One group per TP rank of (its first-stage rank, its last-stage rank), every rank creating each in the
+    same order: the rows of a tied table go through it, sent from a thread of their own on the last stage
+    (its own gloo context: no op of the main thread's groups is in its way)."""
+    for r in range(tp):
+        group = dist.new_group([r, (pp - 1) * tp + r], timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
+                               backend="gloo")
+        if rank in (r, (pp - 1) * tp + r):
+            _LOOKUP_GROUP[0] = group
 
 
 def _isend(payload: torch.Tensor, stage: int, tag: int):
@@ -135,14 +148,32 @@ def recv_hidden(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tenso
     return buf[0], buf[1]
 
 
-def send_embedded(x: torch.Tensor):
-    """The last stage, holding a tied table: start sending a micro-batch's looked-up rows to the first."""
-    return _isend(x.contiguous(), 0, EMBEDDED_TAG)
+def send_embedded(x: torch.Tensor) -> None:
+    """The last stage, holding a tied table (from its lookup thread): send a micro-batch's looked-up rows to
+    the first stage (this rank's share of them under tensor parallelism: the first stage sums the shares)."""
+    st = get_tp()
+    payload = x.contiguous()
+    t0 = time.perf_counter()
+    dist.send(payload, dst=st.tp_rank, group=_LOOKUP_GROUP[0])
+    COMM.send_seconds += time.perf_counter() - t0
+    COMM.sends += 1
+    COMM.send_bytes += payload.numel() * payload.element_size()
 
 
 def recv_embedded(num_tokens: int, hidden: int) -> torch.Tensor:
-    """The first stage: a micro-batch's looked-up rows from the last stage (which holds the tied table)."""
-    return _recv((num_tokens, hidden), get_tp().pp_size - 1, EMBEDDED_TAG)
+    """The first stage: a micro-batch's looked-up rows from the last stage (which holds the tied table); with
+    tensor parallelism each rank receives its peer's vocabulary share and the stage's ranks sum them."""
+    st = get_tp()
+    buf = torch.empty(num_tokens, hidden)
+    t0 = time.perf_counter()
+    dist.recv(buf, src=(st.pp_size - 1) * st.tp_size + st.tp_rank, group=_LOOKUP_GROUP[0])
+    COMM.recv_seconds += time.perf_counter() - t0
+    COMM.recvs += 1
+    if st.tp_size > 1:
+        from turbollm.distributed.tensor_parallel import all_reduce
+
+        all_reduce(buf)
+    return buf
 
 
 def wait_sends(pending: list) -> None:

@@ -46,6 +46,10 @@ def init_parallel(rank: int, tp: int, init_method: str, shm_files=None, pp: int 
         raise RuntimeError(f"{dist.get_world_size()} processes joined, but tensor_parallel_size {tp} x "
                            f"pipeline_parallel_size {pp} needs {world}")
     stage, tp_rank = divmod(rank, tp)
+    if pp > 1:
+        from turbollm.distributed.pipeline_parallel import init_lookup_groups
+
+        init_lookup_groups(rank, tp, pp)
     for s in range(pp):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
                                backend="gloo")

@@ -190,15 +190,14 @@ class ModelRunner:
                     cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput, upcoming: list[SchedulerOutput] = ()) -> ModelRunnerOutput:
-        """Run step `sched`; `upcoming`: the steps queued behind it (a pipeline stage may start on them)."""
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(sched)
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
         self.copy_blocks(sched.copy_blocks)
         if self.pipeline is not None:  # a pipeline stage: the last one gets the hidden states, the others None
-            hidden = self.pipeline.run(sched, upcoming)
+            hidden = self.pipeline.run(sched)
             qsl = list(itertools.accumulate((len(t) for t in sched.scheduled_token_ids.values()), initial=0))
             batch = None
         else:

@@ -75,6 +75,11 @@ class Worker:
         """Steps this worker ran through the fused C++ step (0 when it has none)."""
         return self.runner.fused.steps if self.runner.fused is not None else 0
 
-    def execute_model(self, sched: SchedulerOutput, upcoming: list[SchedulerOutput] = ()) -> ModelRunnerOutput:
-        """Run step `sched`; `upcoming`: the steps already queued behind it (pipeline stages use them)."""
-        return self.runner.execute_model(sched, upcoming)
+    def queued(self, sched: SchedulerOutput) -> None:
+        """Step `sched` has reached this worker (called from its reader thread, before the step runs): a
+        pipeline stage may start on it (`PipelineStage.queued`)."""
+        if self.runner.pipeline is not None:
+            self.runner.pipeline.queued(sched)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)

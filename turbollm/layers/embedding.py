@@ -70,16 +70,19 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = self.load_table
         return True
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The rows of `ids`; under tensor parallelism with `reduce=False`, this rank's share of them (its
+        vocabulary's rows, zeros elsewhere) for a summing elsewhere."""
         if self.tp_size == 1:
             return self._rows(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
         out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
-        from turbollm.distributed.tensor_parallel import all_reduce
+        if reduce:
+            from turbollm.distributed.tensor_parallel import all_reduce
 
-        all_reduce(out)  # each id's row comes from the one rank that holds it
+            all_reduce(out)  # each id's row comes from the one rank that holds it
         return out
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -142,9 +142,9 @@ class CausalLM(nn.Module):
 
     # The three pieces of `forward`, for a runner that runs the layers its own way (the fused step,
     # a pipeline stage's slice of them):
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Layer 0's input [T, hidden]."""
-        return self.model.embed(input_ids)
+    def embed(self, input_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """Layer 0's input [T, hidden] (`reduce=False`: this tensor-parallel rank's vocabulary share of it)."""
+        return self.model.embed(input_ids, reduce)
 
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, start: int = 0, end: int | None = None,
                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,8 +57,8 @@ class Gemma3Model(nn.Module):
         self.layers = stage_layers(cfg, lambda i: Gemma3DecoderLayer(cfg, i, method))
         self.norm = make_final_norm(cfg, lambda: _norm(cfg))
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        x = self.embed_tokens(input_ids, reduce)  # (a share: scaled before the sum, exact: one share is non-zero)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
 

@@ -46,8 +46,8 @@ class LlamaModel(nn.Module):
         self.layers = stage_layers(cfg, lambda i: LlamaDecoderLayer(cfg, i, method))
         self.norm = make_final_norm(cfg, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.embed_tokens(input_ids, reduce)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -66,28 +66,27 @@ def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=N
             dist.destroy_process_group()
 
 
-def _read(conn, inbox: queue.Queue) -> None:
+def _read(conn, inbox: queue.Queue, worker) -> None:
     """The worker's reader thread: every message into `inbox` as it comes, so the engine's sends never wait
-    for a step to end (with steps in flight it sends the next while this worker runs one), and a worker
-    sees the steps queued behind the one it runs."""
+    for a step to end (with steps in flight it sends the next while this worker runs one); a step is shown
+    to the worker first (`Worker.queued`: a pipeline stage may start on it)."""
     while True:
         try:
-            inbox.put(conn.recv())
+            msg = conn.recv()
         except (EOFError, OSError):
             inbox.put(("shutdown",))
             return
         except BaseException:  # noqa: BLE001 - a message that does not unpickle: say so, keep serving
             inbox.put(("unreadable", -1, traceback.format_exc()))
-
-
-def _queued_steps(inbox: queue.Queue) -> list:
-    with inbox.mutex:
-        return [m[2] for m in inbox.queue if m[0] == "execute"]
+            continue
+        if msg[0] == "execute":
+            worker.queued(msg[2])
+        inbox.put(msg)
 
 
 def _serve(conn, worker) -> None:
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read, args=(conn, inbox), name="turbollm-worker-reader", daemon=True).start()
+    threading.Thread(target=_read, args=(conn, inbox, worker), name="turbollm-worker-reader", daemon=True).start()
     while True:
         msg = inbox.get()
         if msg[0] == "shutdown":
@@ -99,7 +98,7 @@ def _serve(conn, worker) -> None:
             if msg[0] == "call":  # a worker method by name (tests and benchmarks read per-rank state)
                 conn.send(("ok", msg[1], getattr(worker, msg[2])()))
             else:
-                conn.send(("ok", msg[1], worker.execute_model(msg[2], _queued_steps(inbox))))
+                conn.send(("ok", msg[1], worker.execute_model(msg[2])))
         except Exception:  # noqa: BLE001 - this step failed; the worker keeps serving
             conn.send(("error", msg[1], traceback.format_exc()))
 
