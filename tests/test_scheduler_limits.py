@@ -104,3 +104,55 @@ def test_pending_forks_count_against_max_num_seqs():
     out = run_step(sched, sample=False)
     assert scheduled(sched, out) == [a]  # b would make 4 sequences once a forks
     assert sched.num_seq_slots == 3
+
+
+def _back(sched: Scheduler, out) -> None:
+    """The workers' answer to step `out`: token 7 for every sequence that is up to date."""
+    sampled = {sid: [SampledToken(7)] for sid, tokens in out.scheduled_token_ids.items()
+               if sched.seqs[sid].num_computed_tokens + len(tokens) == sched.seqs[sid].num_tokens}
+    sched.update_from_output(out, ModelRunnerOutput(sampled=sampled))
+
+
+def test_steps_in_flight_share_the_sequences_and_never_repeat_one():
+    """Two steps in flight (pipeline stages): each takes half of the sequences, a sequence in a step still out
+    is in no other, and it is schedulable again once its step is back."""
+    sched = Scheduler(KVCacheManager(BS, [BlockPool(64)]), max_num_seqs=8, max_num_batched_tokens=256)
+    sched.max_steps_in_flight = 2
+    for i in range(4):
+        sched.add(seq(i, [1, 2, 3]))
+    a, b = sched.schedule(), sched.schedule()
+    assert sorted(a.scheduled_token_ids) == [0, 1] and sorted(b.scheduled_token_ids) == [2, 3]
+    assert sched.schedule().is_empty  # everything is in flight
+    _back(sched, a)
+    c = sched.schedule()
+    assert sorted(c.scheduled_token_ids) == [0, 1] and all(len(t) == 1 for t in c.scheduled_token_ids.values())
+    _back(sched, b)
+    _back(sched, c)
+    assert [len(sched.seqs[i].output_token_ids) for i in range(4)] == [2, 2, 1, 1]
+
+
+def test_a_sequence_waits_for_blocks_held_in_flight_instead_of_preempting_itself():
+    """The oldest sequence needs a block and only newer sequences in a step still out hold blocks: it waits
+    (keeping its place and its computed tokens) rather than being preempted, and runs once they are back."""
+    pool = BlockPool(3)  # 12 tokens
+    sched = Scheduler(KVCacheManager(BS, [pool]), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.max_steps_in_flight = 2
+    old, new = seq(0, [1, 2, 3, 4]), seq(1, [1, 2, 3])
+    sched.add(old)
+    _back(sched, sched.schedule())  # old: 4 + 1 tokens, 1 block full
+    sched.add(new)
+    first = sched.schedule()
+    assert sorted(first.scheduled_token_ids) == [0]  # old takes its 2nd block; new waits for the next step
+    second = sched.schedule()
+    assert sorted(second.scheduled_token_ids) == [1]  # new: its prompt, the 3rd block
+    _back(sched, first)
+    assert pool.num_free == 0
+    for _ in range(6):  # old fills its 2nd block; then it needs a 3rd of its own: none free, new is out
+        out = sched.schedule()
+        if not out.scheduled_token_ids:
+            break
+        _back(sched, out)
+    assert out.is_empty and not out.preempted_seq_ids and old.num_computed_tokens > 0 and sched.num_preemptions == 0
+    _back(sched, second)
+    out = sched.schedule()  # new is back: old, the oldest, preempts it for its block
+    assert sorted(out.scheduled_token_ids) == [0] and out.preempted_seq_ids == [1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -108,7 +109,9 @@ KILL_SCRIPT = textwrap.dedent("""
             again = None
         except WorkerDiedError as e:
             again = str(e)
-        out.write_text(json.dumps({"error": error, "seconds": took, "again": again}))
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"error": error, "seconds": took, "again": again}))
+        tmp.rename(out)  # whole, at once: the test reads it as soon as it is there
         engine.shutdown()
 """)
 
@@ -125,16 +128,19 @@ def test_a_torchrun_rank_killed_mid_request_ends_the_engine_within_10_s(tiny, tm
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                str(script), str(tiny), str(out), json.dumps(kw)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)  # (killed below with their ranks)
              for node in (0, 1)]
     # rank 0's script writes its result and ends; its torchrun agent then waits at its exit barrier for the
     # other node's agent (gone with its rank) for minutes: the test does not wait for the launchers
     deadline = time.monotonic() + 240
     while not out.exists() and time.monotonic() < deadline and procs[0].poll() is None:
         time.sleep(0.5)
-    time.sleep(0.5)  # (the file is written in one call; let it close)
     for p in procs:
-        p.kill()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     logs = [p.communicate()[0] for p in procs]
     assert out.exists(), "\n----\n".join(log[-3000:] for log in logs)
     got = json.loads(out.read_text())

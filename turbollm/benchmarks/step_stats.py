@@ -4,12 +4,14 @@
 and its scheduler's `schedule` (to see, before the counters advance, how many sequences and
 tokens each step carries, which of them are pure decodes, and their context lengths). The
 wrappers are instance attributes, removed on exit. If the scheduler does not look as expected,
-steps are still timed and the composition is left out.
+steps are still timed and the composition is left out. With steps in flight (pipeline stages) a
+record is the step a call collected, described when it was handed out, timed by that call.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from turbollm.benchmarks.physics import ModelPhysics
@@ -44,7 +46,7 @@ class StepRecorder:
     def __init__(self, engine):
         self.engine = engine
         self.records: list[StepRecord] = []
-        self._pending: dict | None = None
+        self._pending: deque[dict | None] = deque()  # descriptions of the steps handed out, not yet collected
         self._scheduler = getattr(engine, "scheduler", None)
 
     def __enter__(self) -> "StepRecorder":
@@ -55,21 +57,21 @@ class StepRecorder:
 
             def schedule(*a, **k):
                 out = orig_schedule(*a, **k)
-                self._pending = _describe(out, sched)
+                if out.scheduled_token_ids:
+                    self._pending.append(_describe(out, sched))
                 return out
 
             sched.schedule = schedule
 
         def step(*a, **k):
-            self._pending = None
             t0 = time.perf_counter()
             res = orig_step(*a, **k)
             dt = time.perf_counter() - t0
-            info = self._pending
-            if info is None:
+            if self._scheduler is None:
                 self.records.append(StepRecord(dt))
-            elif info["num_seqs"]:
-                self.records.append(StepRecord(dt, **info))
+            elif len(self._pending) > len(getattr(engine, "_in_flight", ())):  # this call collected a step
+                info = self._pending.popleft()
+                self.records.append(StepRecord(dt) if info is None else StepRecord(dt, **info))
             return res
 
         engine.step = step

@@ -86,7 +86,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--pp-steps-in-flight", type=int, default=None,
                    help="steps handed to the pipeline before the oldest one's tokens are back, each with its share "
                         "of the sequences, so the stages overlap in decode too (default: one per stage; 1: a step "
-                        "at a time)")
+                        "at a time, as ranks torchrun started always run)")
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "torchrun"],
                    help="uni (default): the model runs in this process; mp: in one worker process, the engine "
                         "sending each step to it as plain data (chosen for you with -tp or -pp > 1); torchrun: "

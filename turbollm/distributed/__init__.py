@@ -45,6 +45,7 @@ class ParallelState:
         return self.pp_size - 1 if tied else 0
 
     def holds_embedding(self, tied: bool) -> bool:
+        """Whether this stage builds and loads the input embedding."""
         return self.pp_rank == self.embedding_stage(tied)
 
     def holds_weight(self, hf_name: str, tied: bool) -> bool:
@@ -53,7 +54,7 @@ class ParallelState:
             return True
         if hf_name.startswith("model.layers."):  # (past the model's layers: the last stage's, to refuse)
             i = int(hf_name.split(".")[2])
-            return self.holds_layer(i) or (self.is_last_stage and self.layer_end is not None and i >= self.layer_end)
+            return i >= self.layer_start if self.is_last_stage else self.holds_layer(i)
         if hf_name.startswith("model.embed_tokens."):
             return self.holds_embedding(tied)
         if hf_name.startswith(("lm_head.", "model.norm.")):

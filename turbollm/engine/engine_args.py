@@ -143,6 +143,8 @@ class EngineArgs:
         for name in ("pp_microbatches", "pp_steps_in_flight"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pp_steps_in_flight is not None and self.pipeline_parallel_size == 1:
+            raise InvalidRequestError("pp_steps_in_flight takes pipeline stages (pipeline_parallel_size > 1)")
         from turbollm.distributed.pipeline_parallel import parse_partition
 
         self.pp_layer_partition = parse_partition(self.pp_layer_partition)

@@ -287,18 +287,19 @@ class LLMEngine:
         touched: dict[str, None] = {}
         while len(self._in_flight) < self.executor.max_steps_in_flight:
             sched = self.scheduler.schedule()
-            for sid in sched.unschedulable_seq_ids:
-                seq = self.scheduler.seqs[sid]
-                self.output_processor.fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV cache "
-                                                           f"but the cache holds {self.kv_config.num_tokens or 'less'}; "
-                                                           f"raise kv_cache_memory or lower max_model_len")
-                touched[seq.request_id] = None
-            if sched.is_empty:
-                break
-            self._note_first_scheduled(sched)
             try:
+                for sid in sched.unschedulable_seq_ids:
+                    seq = self.scheduler.seqs[sid]
+                    self.output_processor.fail(seq.request_id, f"the sequence needs {seq.num_tokens} tokens of KV "
+                                                               f"cache but the cache holds "
+                                                               f"{self.kv_config.num_tokens or 'less'}; raise "
+                                                               f"kv_cache_memory or lower max_model_len")
+                    touched[seq.request_id] = None
+                if sched.is_empty:
+                    break
+                self._note_first_scheduled(sched)
                 self.executor.submit(sched)
-            except BaseException:
+            except BaseException:  # not handed out: its sequences may be scheduled again
                 self.scheduler.returned(sched)
                 raise
             self._in_flight.append((sched, time.perf_counter()))
@@ -309,9 +310,8 @@ class LLMEngine:
         sched, t0 = self._in_flight.popleft()
         try:
             out = self.executor.collect()
-        except BaseException:
+        finally:
             self.scheduler.returned(sched)
-            raise
         self.scheduler.observe_step(sched, time.perf_counter() - t0)
         update = self.scheduler.update_from_output(sched, out)
         return self.output_processor.process(update, touched)

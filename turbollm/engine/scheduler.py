@@ -6,7 +6,7 @@ chunks), oldest first, then admits waiting ones while the token budget
 An admitted sequence first takes whatever prefix of it the prefix cache holds (its
 computed count starts there). A prompt longer than the remaining budget is prefilled in
 chunks over several steps. When a running sequence needs a block and none is free, the
-newest running sequence is preempted: its blocks return to the pool and it goes back to
+newest running sequence (not in a step still in flight) is preempted: its blocks return to the pool and it goes back to
 the front of the queue, to be recomputed later. A shared block that a sequence is about
 to write into is copied first (copy-on-write). Blocks live in one pool per KV-cache group
 (`KVCacheManager`): a sequence needs its new blocks in every group, and a sliding-window
@@ -79,6 +79,7 @@ class Scheduler(SpeculationPlanning):
         self.num_preemptions = 0
         self._seq_ids = itertools.count()
         self._finished_ids: list[int] = []  # finished since the last schedule and known to the workers
+        self._preempted_ids: list[int] = []  # preempted in a step that did not run: the workers hear of it next
         self._resumed: set[int] = set()  # preempted, their tables cleared on the workers
         # (group, table position) of entries released out of a sliding window and not yet sent to the workers
         self._released: dict[int, list[tuple[int, int]]] = {}
@@ -125,14 +126,15 @@ class Scheduler(SpeculationPlanning):
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids, preempted_seq_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
         chosen: list[tuple[Sequence, int, list[tuple[int, int]]]] = []  # (sequence, new tokens, (group, table
         # position) of the entries replaced: copied on write, or released out of a sliding window)
         budget = self.max_num_batched_tokens
         drafts: dict[int, list[int]] = {}
         running = [s for s in self.running if s.seq_id not in self.in_flight]
-        per_step = -(-(len(self.running) + len(self.waiting)) // self.max_steps_in_flight)  # sequences a step takes
+        # sequences a step takes: its share of those that can run at once
+        per_step = -(-min(len(self.running) + len(self.waiting), self.max_num_seqs) // self.max_steps_in_flight)
         for seq in running:  # every running sequence returns the blocks its windows passed, scheduled or not
             released = self.kv.release_out_of_window(seq)
             if released:
@@ -168,6 +170,12 @@ class Scheduler(SpeculationPlanning):
                 need = self.kv.blocks_needed(seq, n) + (shared is not None)
             while not self.kv.can_allocate(need) and (victim := self._victim(seq)) is not None:
                 self._preempt(victim, out)
+            if not self.kv.can_allocate(need) and self._newer_in_flight(seq):
+                # newer sequences hold blocks in steps still out: it waits for them, keeping its place
+                drafts.pop(seq.seq_id, None)
+                if replaced:
+                    self._released[seq.seq_id] = replaced + self._released.get(seq.seq_id, [])
+                continue
             if not self.kv.can_allocate(need):
                 drafts.pop(seq.seq_id, None)
                 if len(self.running) == 1:  # alone, and still too big: it can never run
@@ -215,9 +223,10 @@ class Scheduler(SpeculationPlanning):
                 out.spec_token_ids[seq.seq_id] = d
         self.kv.note_usage()
         self.in_flight.update(out.scheduled_token_ids)
-        if out.is_empty:  # nothing runs: the workers hear of the finished sequences next time
+        if out.is_empty:  # nothing runs: the workers hear of the finished and preempted sequences next time
             self._finished_ids = out.finished_seq_ids + self._finished_ids
-            out.finished_seq_ids = []
+            self._preempted_ids = out.preempted_seq_ids + self._preempted_ids
+            out.finished_seq_ids, out.preempted_seq_ids = [], []
         return out
 
     def _victim(self, seq: Sequence) -> Sequence | None:
@@ -229,6 +238,11 @@ class Scheduler(SpeculationPlanning):
             if other.seq_id not in self.in_flight:
                 return other
         return None
+
+    def _newer_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running sequence newer than `seq` is in a step still in flight (not to be preempted)."""
+        newer = self.running[self.running.index(seq) + 1:]
+        return any(other.seq_id in self.in_flight for other in newer)
 
     def returned(self, sched: SchedulerOutput) -> None:
         """A step handed out is back (or failed): its sequences may be scheduled again."""

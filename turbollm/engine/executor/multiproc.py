@@ -15,6 +15,11 @@ time out, or, with pipeline stages (which wait on each other for as long as a st
 no rank still working has used CPU time for `STEP_TIMEOUT_S` (`_Stall`). A reply the engine stopped waiting for (Ctrl-C
 while a step ran) is recognised by its number and dropped. Workers ignore SIGINT: Ctrl-C in a
 terminal reaches the whole process group, and it is the engine's to handle.
+
+Pipeline stages take several steps at once (`max_steps_in_flight`: `submit` sends a step, `collect` waits
+for the oldest one's replies; replies to a later step that come first are kept in `_early`). Each worker
+reads its pipe in a thread (`_read`), so the engine's send of step k + 1 never waits for step k to end,
+and shows each step to the worker as it comes (`Worker.queued`: the tied table's lookups start at once).
 """
 
 from __future__ import annotations
@@ -66,14 +71,16 @@ def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=N
             dist.destroy_process_group()
 
 
-def _read(conn, inbox: queue.Queue, worker) -> None:
+def _read(conn, inbox: queue.Queue, closed: threading.Event, worker) -> None:
     """The worker's reader thread: every message into `inbox` as it comes, so the engine's sends never wait
     for a step to end (with steps in flight it sends the next while this worker runs one); a step is shown
-    to the worker first (`Worker.queued`: a pipeline stage may start on it)."""
+    to the worker first (`Worker.queued`: a pipeline stage may start on it). The pipe closing (the engine is
+    gone) sets `closed`: the steps still queued are not run."""
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
+            closed.set()
             inbox.put(("shutdown",))
             return
         except BaseException:  # noqa: BLE001 - a message that does not unpickle: say so, keep serving
@@ -86,21 +93,27 @@ def _read(conn, inbox: queue.Queue, worker) -> None:
 
 def _serve(conn, worker) -> None:
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read, args=(conn, inbox, worker), name="turbollm-worker-reader", daemon=True).start()
+    closed = threading.Event()
+    threading.Thread(target=_read, args=(conn, inbox, closed, worker), name="turbollm-worker-reader",
+                     daemon=True).start()
     while True:
         msg = inbox.get()
-        if msg[0] == "shutdown":
+        if msg[0] == "shutdown" or closed.is_set():
             return
         if msg[0] == "unreadable":
-            conn.send(("error", -1, msg[2]))
-            continue
+            reply = ("error", -1, msg[2])
+        else:
+            try:
+                if msg[0] == "call":  # a worker method by name (tests and benchmarks read per-rank state)
+                    reply = ("ok", msg[1], getattr(worker, msg[2])())
+                else:
+                    reply = ("ok", msg[1], worker.execute_model(msg[2]))
+            except Exception:  # noqa: BLE001 - this step failed; the worker keeps serving
+                reply = ("error", msg[1], traceback.format_exc())
         try:
-            if msg[0] == "call":  # a worker method by name (tests and benchmarks read per-rank state)
-                conn.send(("ok", msg[1], getattr(worker, msg[2])()))
-            else:
-                conn.send(("ok", msg[1], worker.execute_model(msg[2])))
-        except Exception:  # noqa: BLE001 - this step failed; the worker keeps serving
-            conn.send(("error", msg[1], traceback.format_exc()))
+            conn.send(reply)
+        except (OSError, ValueError):  # the engine is gone
+            return
 
 
 def _stop(procs, conns, shm=None) -> None:
@@ -194,8 +207,10 @@ class MultiprocExecutor(Executor):
         whose collectives timed out (a peer died or hangs) reports it after `STEP_TIMEOUT_S`, so the
         silent one is named as hung `HANG_GRACE_S` later; after any other answer the silent ranks get
         both (they finish the same step's work). Start-up has no deadline (ranks load at their pace)."""
-        replies: dict[int, tuple] = self._early.pop(step, {})
+        replies: dict[int, tuple] = self._early.pop(step, {})  # (an earlier stage's, come while waiting on a step before)
         deadline = None
+        if any(kind != "ok" or rank in self._last_stage for rank, (kind, _, _) in replies.items()):
+            deadline = time.monotonic() + HANG_GRACE_S + STEP_TIMEOUT_S
         stall = _Stall(self._procs) if not startup and len(self._conns) > self._tp else None
         while len(replies) < len(self._conns):
             waiting = [r for r in range(len(self._conns)) if r not in replies]
@@ -258,6 +273,7 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError(f"the parallel ranks are out of step since: {self._broken}")
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_in_step()
         if self._in_flight:
             raise ExecutorError("execute_model with steps in flight: collect them first")
         self.submit(sched)
