@@ -48,18 +48,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_nodes(script, *args: str) -> list[subprocess.Popen]:
+    """Two torchrun launches of `script` on this machine as two nodes (one process each, over loopback), each in
+    a session of its own (a test can kill a launcher with its rank)."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                              "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                              str(script), *args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+            for node in (0, 1)]
+
+
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
 def test_two_torchrun_nodes_give_one_process_tokens(tiny, tmp_path, kw):
     script = tmp_path / "gen.py"
     script.write_text(SCRIPT)
     out = tmp_path / "out.json"
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(script), str(tiny), str(out), json.dumps(kw), json.dumps(PROMPTS)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    procs = _two_nodes(script, str(tiny), str(out), json.dumps(kw), json.dumps(PROMPTS))
     logs = []
     for p in procs:
         try:
@@ -123,14 +130,7 @@ def test_a_torchrun_rank_killed_mid_request_ends_the_engine_within_10_s(tiny, tm
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
     out = tmp_path / "out.json"
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(script), str(tiny), str(out), json.dumps(kw)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)  # (killed below with their ranks)
-             for node in (0, 1)]
+    procs = _two_nodes(script, str(tiny), str(out), json.dumps(kw))
     # rank 0's script writes its result and ends; its torchrun agent then waits at its exit barrier for the
     # other node's agent (gone with its rank) for minutes: the test does not wait for the launchers
     deadline = time.monotonic() + 240

@@ -32,6 +32,7 @@ from turbollm.layers.embedding import LMHead, VocabEmbedding
 from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from turbollm.layers.norm import RMSNorm
 from turbollm.models.common import STACKED_PARAMS
+from turbollm.procfs import pid_alive
 from turbollm.quantization.checkpoint_layouts import LayoutConfig, QuantLayout
 from turbollm.quantization.group_quant import QuantizedWeight
 from turbollm.quantize.hf_folder import source_config_dict, write_tokenizer
@@ -45,23 +46,13 @@ def check_output_free(out: Path) -> None:
         raise InvalidRequestError(f"--out {out} already exists; remove it or choose another path")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale_partials(out: Path) -> None:
     """Remove ``.<name>.partial-<pid>`` folders of `out` whose process no longer runs."""
     if not out.parent.is_dir():
         return
     for p in out.parent.glob(f".{out.name}.partial-*"):
         pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
 

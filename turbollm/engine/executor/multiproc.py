@@ -29,8 +29,8 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import random
-import signal
 import queue
+import signal
 import socket
 import threading
 import time
@@ -41,9 +41,9 @@ import weakref
 from turbollm.distributed.shm_comm import ShmFiles
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
-from turbollm.engine.executor.procfs import cpu_ticks, proc_state
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.procfs import cpu_ticks, proc_state
 
 logger = logging.getLogger("turbollm")
 POLL_S = 1.0

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
-from turbollm.engine.executor.procfs import proc_state
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.procfs import pid_alive
 
 
 class TorchrunExecutor(Executor):
@@ -91,7 +91,7 @@ class TorchrunExecutor(Executor):
         """The ranks to blame when a collective with them failed: those on this host whose process is gone,
         else every other rank (gloo names only a peer's address)."""
         host = socket.gethostname()
-        dead = [r for r, (h, pid) in enumerate(self._where) if r and h == host and not _alive(pid)]
+        dead = [r for r, (h, pid) in enumerate(self._where) if r and h == host and not pid_alive(pid)]
         if dead:
             return ", ".join(f"rank {r} (pid {self._where[r][1]}) is gone" for r in dead)
         return "a rank is gone or hangs (" + ", ".join(f"rank {r}: pid {pid} on {h}" for r, (h, pid) in
@@ -121,16 +121,6 @@ class TorchrunExecutor(Executor):
 
 def _whereabouts() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return proc_state(pid) != "Z"  # (a zombie: dead, its parent not yet told)
 
 
 def run_worker() -> bool:

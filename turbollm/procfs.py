@@ -1,6 +1,9 @@
-"""What /proc says of a process (Linux): its state and the CPU time it used; None where it cannot be read."""
+"""Whether a process is alive, and what /proc says of it (Linux): its state and the CPU time it used (None
+where /proc cannot be read)."""
 
 from __future__ import annotations
+
+import os
 
 
 def proc_fields(pid: int) -> list[str] | None:
@@ -24,3 +27,14 @@ def cpu_ticks(pid: int) -> int | None:
 def proc_state(pid: int) -> str | None:
     fields = proc_fields(pid)
     return fields[0] if fields else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (one that is gone, its parent not yet told)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return proc_state(pid) != "Z"
