@@ -156,3 +156,32 @@ def test_a_sequence_waits_for_blocks_held_in_flight_instead_of_preempting_itself
     _back(sched, second)
     out = sched.schedule()  # new is back: old, the oldest, preempts it for its block
     assert sorted(out.scheduled_token_ids) == [0] and out.preempted_seq_ids == [1]
+
+
+def test_a_waiting_sequence_is_not_overtaken_while_it_waits_for_blocks_in_flight():
+    """While the oldest sequence waits for blocks held in a step in flight, no newer sequence is preempted for it
+    or admitted into the pool (which would keep it waiting for ever); once the step is back it takes its block."""
+    pool = BlockPool(4, enable_caching=True)  # 16 tokens
+    sched = Scheduler(KVCacheManager(BS, [pool]), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.max_steps_in_flight = 2
+    old, mid, new = seq(0, [1, 2, 3, 4]), seq(1, [5, 6, 7]), seq(2, [8, 9, 10])
+    sched.add(old)
+    _back(sched, sched.schedule())  # old: 1 block full, its 5th token next
+    sched.add(mid)
+    sched.add(new)
+    a = sched.schedule()  # old (its 2nd block) and mid (1 block)
+    b = sched.schedule()  # new (1 block): the pool is full
+    assert sorted(a.scheduled_token_ids) == [0, 1] and sorted(b.scheduled_token_ids) == [2] and pool.num_free == 0
+    _back(sched, a)
+    for _ in range(6):  # old fills its 2nd block, then needs a 3rd: mid is free to preempt, new is out
+        out = sched.schedule()
+        if 0 not in out.scheduled_token_ids:
+            break
+        _back(sched, out)
+    assert out.is_empty and sched.num_preemptions == 0 and not sched.waiting
+    late = seq(3, [1, 2])
+    sched.add(late)
+    assert sched.schedule().is_empty  # not admitted while old waits
+    _back(sched, b)
+    out = sched.schedule()  # nothing newer in flight: old preempts the newest for its block
+    assert 0 in out.scheduled_token_ids and sched.num_preemptions >= 1

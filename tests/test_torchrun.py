@@ -61,6 +61,15 @@ def _two_nodes(script, *args: str) -> list[subprocess.Popen]:
             for node in (0, 1)]
 
 
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Each launcher with its rank (their sessions)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
 def test_two_torchrun_nodes_give_one_process_tokens(tiny, tmp_path, kw):
     script = tmp_path / "gen.py"
@@ -72,8 +81,7 @@ def test_two_torchrun_nodes_give_one_process_tokens(tiny, tmp_path, kw):
         try:
             logs.append(p.communicate(timeout=300)[0])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
+            _kill(procs)
             pytest.fail("torchrun did not finish within 300 s:\n" + "\n".join(q.communicate()[0][-3000:] for q in procs))
     assert all(p.returncode == 0 for p in procs), "\n----\n".join(log[-3000:] for log in logs)
     got = json.loads(out.read_text())
@@ -133,14 +141,12 @@ def test_a_torchrun_rank_killed_mid_request_ends_the_engine_within_10_s(tiny, tm
     procs = _two_nodes(script, str(tiny), str(out), json.dumps(kw))
     # rank 0's script writes its result and ends; its torchrun agent then waits at its exit barrier for the
     # other node's agent (gone with its rank) for minutes: the test does not wait for the launchers
-    deadline = time.monotonic() + 240
-    while not out.exists() and time.monotonic() < deadline and procs[0].poll() is None:
-        time.sleep(0.5)
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    try:
+        deadline = time.monotonic() + 240
+        while not out.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.5)
+    finally:
+        _kill(procs)
     logs = [p.communicate()[0] for p in procs]
     assert out.exists(), "\n----\n".join(log[-3000:] for log in logs)
     got = json.loads(out.read_text())

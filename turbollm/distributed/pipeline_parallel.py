@@ -5,7 +5,8 @@ A stage is a group of `tensor_parallel_size` ranks (global rank = stage × tp + 
 contiguous range of decoder layers and their KV caches; the first stage also embeds the tokens,
 the last one holds the final norm and the LM head and samples. A table tied to the LM head is held by
 the last stage alone: it looks the tokens up and sends the rows to the first (`send_embedded`, from a
-thread of its own as soon as a step arrives, through a group of its own: `init_lookup_groups`). Every rank gets every step's
+thread of its own as soon as a step reaches a worker process, when the step starts under torchrun;
+through a group of its own: `init_lookup_groups`). Every rank gets every step's
 `SchedulerOutput` (its sequences' state stays in step with no further messages); a stage receives
 (block output, residual stream) of each micro-batch from the same TP rank of the stage before and
 sends its own to the next (`send_hidden` / `recv_hidden`, gloo point-to-point, timed in the rank's
@@ -177,6 +178,8 @@ def recv_embedded(num_tokens: int, hidden: int) -> torch.Tensor:
 
 
 def wait_sends(pending: list) -> None:
+    if not pending:  # (the last stage: its lookup thread may be adding to the same counter)
+        return
     t0 = time.perf_counter()
     for work, _ in pending:
         work.wait()

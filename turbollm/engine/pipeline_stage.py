@@ -78,8 +78,9 @@ class PipelineStage:
         if self.looks_up:
             if self._lookup_error is not None:
                 raise RuntimeError("the tied table's lookups for the first stage failed") from self._lookup_error
-            if self._fed and self._fed[0] is sched:
-                self._fed.popleft()
+            if any(f is sched for f in self._fed):  # (steps fed before it that never ran: failed, now fatal)
+                while self._fed.popleft() is not sched:
+                    pass
             else:  # a step no reader thread saw coming (ranks torchrun started): looked up now
                 self._lookups.put(sched)
         items = list(sched.scheduled_token_ids.items())

@@ -12,7 +12,8 @@ to write into is copied first (copy-on-write). Blocks live in one pool per KV-ca
 (`KVCacheManager`): a sequence needs its new blocks in every group, and a sliding-window
 group's blocks that no new token can see are released before each step.
 
-Every step makes progress or says why not: a sequence that cannot fit in the whole pool even
+Every step makes progress or says why not (with steps in flight a step may be empty while the ones out
+hold what it needs; the engine then takes one back first): a sequence that cannot fit in the whole pool even
 with nothing else running (which the engine's cap of `max_model_len` to the pool rules out, so
 this is a last line of defence) is taken out and reported in `SchedulerOutput.unschedulable_seq_ids`
 instead of preempting itself forever. An n > 1 request's siblings-to-be (`pending_forks`)
@@ -29,7 +30,9 @@ text, are the output processor's. Blocks and the prefix cache are `KVCacheManage
 Steps in flight (pipeline stages, `max_steps_in_flight` = P): the engine may ask for step k + 1 before
 step k's tokens are back. A sequence in a step still in flight (`in_flight`) is neither scheduled nor
 preempted until `update_from_output` (or `returned`, for a step that failed) takes the step back, and a
-step takes at most 1/P of the unfinished sequences, so the P steps in flight share them. A block freed
+step takes at most 1/P of the sequences that can run at once (`max_num_seqs`), so the P steps in flight
+share them. A sequence whose blocks are held by newer sequences in flight ends the step where it is
+(no preemption, no admission) and takes them once those steps are back. A block freed
 while a step that used it is in flight (an aborted request) may go to a later step at once: every
 stage runs the steps in order, so the later step's writes come after the earlier one's.
 The speculative-decoding side (drafts per decode, the adaptive planner) is `scheduler_spec.py`'s.
@@ -85,7 +88,7 @@ class Scheduler(SpeculationPlanning):
         self._released: dict[int, list[tuple[int, int]]] = {}
         # steps handed out before the previous ones are back (pipeline stages: `max_steps_in_flight` = stages):
         # a sequence in a step not yet back is not scheduled or preempted, and a step takes about
-        # 1 / max_steps_in_flight of the unfinished sequences, so that the steps in flight share them
+        # 1 / max_steps_in_flight of the sequences that can run at once, so that the steps in flight share them
         self.max_steps_in_flight = 1
         self.in_flight: set[int] = set()
 
@@ -140,6 +143,7 @@ class Scheduler(SpeculationPlanning):
             if released:
                 self._released.setdefault(seq.seq_id, []).extend(released)
         plan = self._plan(running) if self.proposer is not None and self.planner is not None else None
+        held_back = False  # a sequence waits for blocks held in steps in flight
         for idx, seq in enumerate(running):
             if seq not in self.running or budget == 0 or len(chosen) == per_step:
                 continue
@@ -168,14 +172,16 @@ class Scheduler(SpeculationPlanning):
                 n, k = 1, 0
                 drafts.pop(seq.seq_id, None)
                 need = self.kv.blocks_needed(seq, n) + (shared is not None)
-            while not self.kv.can_allocate(need) and (victim := self._victim(seq)) is not None:
-                self._preempt(victim, out)
             if not self.kv.can_allocate(need) and self._newer_in_flight(seq):
-                # newer sequences hold blocks in steps still out: it waits for them, keeping its place
+                # newer sequences hold blocks in steps still out: the step ends here (no preemption, no newer
+                # sequence, no admission: the blocks stay for it), and it takes them once those steps are back
                 drafts.pop(seq.seq_id, None)
                 if replaced:
                     self._released[seq.seq_id] = replaced + self._released.get(seq.seq_id, [])
-                continue
+                held_back = True
+                break
+            while not self.kv.can_allocate(need) and (victim := self._victim(seq)) is not None:
+                self._preempt(victim, out)
             if not self.kv.can_allocate(need):
                 drafts.pop(seq.seq_id, None)
                 if len(self.running) == 1:  # alone, and still too big: it can never run
@@ -195,7 +201,7 @@ class Scheduler(SpeculationPlanning):
                     drafts[seq.seq_id] = d
             chosen.append((seq, n, replaced))
             budget -= n
-        while self.waiting and budget > 0 and len(chosen) < per_step \
+        while not held_back and self.waiting and budget > 0 and len(chosen) < per_step \
                 and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             self.kv.take_cached_prefix(seq)

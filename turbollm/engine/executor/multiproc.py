@@ -8,7 +8,8 @@ are checked against it: the ranks must agree; earlier stages sample nothing).
 
 The engine's process never loads the weights: the workers do, and the engine keeps only the
 model's config and tokenizer. A worker that raises during a step sends the traceback back (the
-engine raises `ExecutorError` with it and the worker keeps serving); a worker that dies is noticed
+engine raises `ExecutorError` with it and the worker keeps serving; with several ranks, which are then out
+of step, the error is a fatal `WorkerDiedError`); a worker that dies is noticed
 within `POLL_S` seconds of the engine waiting on any worker and reported with its rank and exit
 code (`WorkerDiedError`: the engine cannot go on). A hung rank is named once its peers' collectives
 time out, or, with pipeline stages (which wait on each other for as long as a stage computes), once

@@ -18,9 +18,12 @@ import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.log import init_logger
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.procfs import pid_alive
+
+logger = init_logger()
 
 
 class TorchrunExecutor(Executor):
@@ -36,6 +39,9 @@ class TorchrunExecutor(Executor):
             raise ExecutorError(f"torchrun started {world} processes, but tensor_parallel_size "
                                 f"{args.tensor_parallel_size} x pipeline_parallel_size {args.pipeline_parallel_size} "
                                 f"needs {args.world_size}")
+        if (args.pp_steps_in_flight or 1) > 1:
+            logger.warning("ranks torchrun started run a step at a time: pp_steps_in_flight %d is not used",
+                           args.pp_steps_in_flight)
         seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(62)
         broadcast((args, kv_config, seed), self._group)
         self._out_rank = args.world_size - args.tensor_parallel_size
