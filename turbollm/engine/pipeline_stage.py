@@ -2,15 +2,15 @@
 micro-batch of the step's sequences.
 
 The step's sequences are cut into micro-batches of about equal tokens (`split_microbatches`; a step of
-fewer than 64 tokens a micro-batch, a decode step of a few sequences, stays whole); each
-goes through the stage in turn: the first stage embeds its tokens (or, when the table is tied to the
-LM head, receives the rows the last stage looked up in it: a thread of the last stage's does that as
-soon as a step reaches it, `queued`), a later one
-receives (block output, residual stream) from the stage before; then the stage's layers (the fused C++ step when the batch
-allows it, else the modules); then the hidden states are sent on (a send that does not wait: the
-stage goes on to the next micro-batch while the next stage computes this one, which is what lets the
-stages overlap), or, on the last stage, normed and kept. The last stage returns every row's hidden
-state in the step's order, the others None: only the last one samples.
+fewer than 64 tokens a micro-batch, a decode step of a few sequences, stays whole); each goes through the
+stage in turn: the first stage embeds its tokens (or, when the table is tied to the LM head, receives the
+rows the last stage looked up in it: a thread of the last stage's does that as soon as a step reaches
+it, `queued`), a later one receives (block output, residual stream) from the stage before; then the
+stage's layers (the fused C++ step when the batch allows it, else the modules); then the hidden states
+are sent on (a send that does not wait: the stage goes on to the next micro-batch while the next stage
+computes this one, which is what lets the stages overlap), or, on the last stage, normed and kept. The
+last stage returns every row's hidden state in the step's order, the others None: only the last one
+samples.
 """
 
 from __future__ import annotations

@@ -208,7 +208,8 @@ class MultiprocExecutor(Executor):
         whose collectives timed out (a peer died or hangs) reports it after `STEP_TIMEOUT_S`, so the
         silent one is named as hung `HANG_GRACE_S` later; after any other answer the silent ranks get
         both (they finish the same step's work). Start-up has no deadline (ranks load at their pace)."""
-        replies: dict[int, tuple] = self._early.pop(step, {})  # (an earlier stage's, come while waiting on a step before)
+        # (replies of earlier stages, come while the engine waited on a step before)
+        replies: dict[int, tuple] = self._early.pop(step, {})
         deadline = None
         if any(kind != "ok" or rank in self._last_stage for rank, (kind, _, _) in replies.items()):
             deadline = time.monotonic() + HANG_GRACE_S + STEP_TIMEOUT_S
