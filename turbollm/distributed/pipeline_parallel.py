@@ -100,8 +100,6 @@ def split_microbatches(token_counts: list[int], m: int, min_tokens: int = 1) -> 
     return [r for r in out if len(r)]
 
 
-# point-to-point tag of the hidden states a stage hands the next
-HIDDEN_TAG = 0
 _LOOKUP_GROUP: list = [None]  # the first and the last stage's ranks of this TP rank: the tied table's rows
 
 
@@ -116,21 +114,27 @@ def init_lookup_groups(rank: int, tp: int, pp: int) -> None:
             _LOOKUP_GROUP[0] = group
 
 
-def _isend(payload: torch.Tensor, stage: int, tag: int):
+def _rank(stage: int) -> int:
+    """The global rank of this TP rank's peer in `stage`."""
     st = get_tp()
+    return stage * st.tp_size + st.tp_rank
+
+
+def _isend(payload: torch.Tensor, stage: int, group=None):
+    """Start sending `payload` to this TP rank's peer in `stage`, timed and counted in `COMM`."""
     t0 = time.perf_counter()
-    work = dist.isend(payload, dst=stage * st.tp_size + st.tp_rank, tag=tag)
+    work = dist.isend(payload, dst=_rank(stage), group=group)
     COMM.send_seconds += time.perf_counter() - t0
     COMM.sends += 1
     COMM.send_bytes += payload.numel() * payload.element_size()
     return work, payload
 
 
-def _recv(shape: tuple[int, ...], stage: int, tag: int) -> torch.Tensor:
-    st = get_tp()
+def _recv(shape: tuple[int, ...], stage: int, group=None) -> torch.Tensor:
+    """A tensor from this TP rank's peer in `stage` (blocks until it comes), the wait timed in `COMM`."""
     buf = torch.empty(shape)
     t0 = time.perf_counter()
-    dist.recv(buf, src=stage * st.tp_size + st.tp_rank, tag=tag)
+    dist.recv(buf, src=_rank(stage), group=group)
     COMM.recv_seconds += time.perf_counter() - t0
     COMM.recvs += 1
     return buf
@@ -139,38 +143,31 @@ def _recv(shape: tuple[int, ...], stage: int, tag: int) -> torch.Tensor:
 def send_hidden(x: torch.Tensor, residual: torch.Tensor):
     """Start sending a micro-batch's (block output, residual stream) to the next stage; returns the
     request to wait on (the tensor it sends stays alive with it)."""
-    return _isend(torch.stack([x, residual]), get_tp().pp_rank + 1, HIDDEN_TAG)
+    return _isend(torch.stack([x, residual]), get_tp().pp_rank + 1)
 
 
 def recv_hidden(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch's (block output, residual stream) from the stage before (blocks until it comes:
     the time counts the previous stage's compute too)."""
-    buf = _recv((2, num_tokens, hidden), get_tp().pp_rank - 1, HIDDEN_TAG)
+    buf = _recv((2, num_tokens, hidden), get_tp().pp_rank - 1)
     return buf[0], buf[1]
 
 
 def send_embedded(x: torch.Tensor) -> None:
     """The last stage, holding a tied table (from its lookup thread): send a micro-batch's looked-up rows to
-    the first stage (this rank's share of them under tensor parallelism: the first stage sums the shares)."""
-    st = get_tp()
-    payload = x.contiguous()
+    the first stage (this rank's share of them under tensor parallelism: the first stage sums the shares);
+    returns once the first stage has taken them."""
+    work, _ = _isend(x.contiguous(), 0, _LOOKUP_GROUP[0])
     t0 = time.perf_counter()
-    dist.send(payload, dst=st.tp_rank, group=_LOOKUP_GROUP[0])
+    work.wait()
     COMM.send_seconds += time.perf_counter() - t0
-    COMM.sends += 1
-    COMM.send_bytes += payload.numel() * payload.element_size()
 
 
 def recv_embedded(num_tokens: int, hidden: int) -> torch.Tensor:
     """The first stage: a micro-batch's looked-up rows from the last stage (which holds the tied table); with
     tensor parallelism each rank receives its peer's vocabulary share and the stage's ranks sum them."""
-    st = get_tp()
-    buf = torch.empty(num_tokens, hidden)
-    t0 = time.perf_counter()
-    dist.recv(buf, src=(st.pp_size - 1) * st.tp_size + st.tp_rank, group=_LOOKUP_GROUP[0])
-    COMM.recv_seconds += time.perf_counter() - t0
-    COMM.recvs += 1
-    if st.tp_size > 1:
+    buf = _recv((num_tokens, hidden), get_tp().pp_size - 1, _LOOKUP_GROUP[0])
+    if get_tp().tp_size > 1:
         from turbollm.distributed.tensor_parallel import all_reduce
 
         all_reduce(buf)

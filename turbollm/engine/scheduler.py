@@ -180,11 +180,12 @@ class Scheduler(SpeculationPlanning):
                     self._released[seq.seq_id] = replaced + self._released.get(seq.seq_id, [])
                 held_back = True
                 break
-            while not self.kv.can_allocate(need) and (victim := self._victim(seq)) is not None:
-                self._preempt(victim, out)
+            # (no newer sequence is in flight here: each may be preempted)
+            while not self.kv.can_allocate(need) and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
             if not self.kv.can_allocate(need):
                 drafts.pop(seq.seq_id, None)
-                if len(self.running) == 1:  # alone, and still too big: it can never run
+                if self.running[0] is seq:  # alone, and still too big: it can never run
                     self._drop(seq, out)
                 else:
                     self._preempt(seq, out)
@@ -234,16 +235,6 @@ class Scheduler(SpeculationPlanning):
             self._preempted_ids = out.preempted_seq_ids + self._preempted_ids
             out.finished_seq_ids, out.preempted_seq_ids = [], []
         return out
-
-    def _victim(self, seq: Sequence) -> Sequence | None:
-        """The sequence to preempt for `seq`'s blocks: the newest running one after it that is not in a step
-        still in flight (its blocks are in use there), or None."""
-        for other in reversed(self.running):
-            if other is seq:
-                return None
-            if other.seq_id not in self.in_flight:
-                return other
-        return None
 
     def _newer_in_flight(self, seq: Sequence) -> bool:
         """Whether a running sequence newer than `seq` is in a step still in flight (not to be preempted)."""

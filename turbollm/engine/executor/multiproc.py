@@ -29,15 +29,15 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import random
 import queue
+import random
 import signal
 import socket
 import threading
 import time
 import traceback
-from collections import deque
 import weakref
+from collections import deque
 
 from turbollm.distributed.shm_comm import ShmFiles
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
@@ -210,9 +210,8 @@ class MultiprocExecutor(Executor):
         both (they finish the same step's work). Start-up has no deadline (ranks load at their pace)."""
         # (replies of earlier stages, come while the engine waited on a step before)
         replies: dict[int, tuple] = self._early.pop(step, {})
-        deadline = None
-        if any(kind != "ok" or rank in self._last_stage for rank, (kind, _, _) in replies.items()):
-            deadline = time.monotonic() + HANG_GRACE_S + STEP_TIMEOUT_S
+        deadline = min((d for r, (k, _, p) in replies.items() if (d := self._answer_deadline(r, k, p)) is not None),
+                       default=None)
         stall = _Stall(self._procs) if not startup and len(self._conns) > self._tp else None
         while len(replies) < len(self._conns):
             waiting = [r for r in range(len(self._conns)) if r not in replies]
@@ -230,11 +229,8 @@ class MultiprocExecutor(Executor):
                 replies[rank] = (kind, tag, payload)
                 if startup and kind != "ready":  # the others may wait for it to join: stop here
                     raise _start_failure(rank, payload)
-                # an earlier pipeline stage answers before the later ones compute: no deadline from its answer
-                if deadline is None and not startup and len(self._conns) > 1 and (
-                        kind != "ok" or rank in self._last_stage):
-                    timed_out = kind != "ok" and _collective_timeout(payload)
-                    deadline = time.monotonic() + HANG_GRACE_S + (0 if timed_out else STEP_TIMEOUT_S)
+                if deadline is None and not startup:
+                    deadline = self._answer_deadline(rank, kind, payload)
             for r, proc in enumerate(self._procs):
                 if r not in replies and not proc.is_alive():
                     raise self._dead(r, doing)
@@ -254,6 +250,15 @@ class MultiprocExecutor(Executor):
                                       f"while {doing}" + (f"; the other ranks' collectives failed:\n{errors[0]}"
                                                           if errors else ""))
         return [replies[r] for r in range(len(self._conns))]
+
+    def _answer_deadline(self, rank: int, kind: str, payload) -> float | None:
+        """After rank `rank`'s answer to a step, until when the silent ranks may take (None: no bound from it;
+        an earlier pipeline stage answers before the later ones compute): they finish the same step's work,
+        or, when its collectives timed out, report theirs."""
+        if len(self._conns) == 1 or (kind == "ok" and rank not in self._last_stage):
+            return None
+        timed_out = kind != "ok" and _collective_timeout(payload)
+        return time.monotonic() + HANG_GRACE_S + (0 if timed_out else STEP_TIMEOUT_S)
 
     def _send_all(self, msg: tuple) -> None:
         for rank, conn in enumerate(self._conns):

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
-from turbollm.log import init_logger
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.log import init_logger
 from turbollm.procfs import pid_alive
 
 logger = init_logger()
