@@ -110,7 +110,7 @@ KILL_SCRIPT = textwrap.dedent("""
         engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200, ignore_eos=True))
         for _ in range(5):  # mid-request: the prompt is done and tokens are coming
             engine.step()
-        os.kill(int((out.parent / "pid1").read_text()), signal.SIGKILL)
+        os.kill(int((out.parent / "pid1").read_text()), getattr(signal, sys.argv[4]))
         t0 = time.monotonic()
         try:
             while engine.has_unfinished_requests():
@@ -132,13 +132,15 @@ KILL_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
-def test_a_torchrun_rank_killed_mid_request_ends_the_engine_within_10_s(tiny, tmp_path, kw):
-    """Rank 1 (the other "node") killed while rank 0 generates: rank 0's next step raises WorkerDiedError
-    within 10 s (its gloo connections close), and every later step says the ranks are out of step."""
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_torchrun_rank_killed_or_stopped_mid_request_ends_the_engine_within_10_s(tiny, tmp_path, kw, sig):
+    """Rank 1 (the other "node") killed, or stopped (a hang), while rank 0 generates: rank 0's next step raises
+    WorkerDiedError within 10 s naming it (killed: its gloo connections close; stopped: its heartbeats stop),
+    and every later step says the ranks are out of step."""
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
     out = tmp_path / "out.json"
-    procs = _two_nodes(script, str(tiny), str(out), json.dumps(kw))
+    procs = _two_nodes(script, str(tiny), str(out), json.dumps(kw), sig)
     # rank 0's script writes its result and ends; its torchrun agent then waits at its exit barrier for the
     # other node's agent (gone with its rank) for minutes: the test does not wait for the launchers
     try:
@@ -147,9 +149,17 @@ def test_a_torchrun_rank_killed_mid_request_ends_the_engine_within_10_s(tiny, tm
             time.sleep(0.5)
     finally:
         _kill(procs)
+        for rank in (0, 1):  # torchrun's agents start their ranks in sessions of their own
+            pid = tmp_path / f"pid{rank}"
+            if pid.exists():
+                try:
+                    os.kill(int(pid.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     logs = [p.communicate()[0] for p in procs]
     assert out.exists(), "\n----\n".join(log[-3000:] for log in logs)
     got = json.loads(out.read_text())
     assert got["error"] is not None and got["seconds"] < 10, got
-    assert "rank 1 (pid" in got["error"] and "is gone" in got["error"], got
+    assert "rank 1 (pid" in got["error"], got
+    assert ("is gone" if sig == "SIGKILL" else "stopped answering (hung)") in got["error"], got
     assert got["again"] is not None and "out of step" in got["again"], got

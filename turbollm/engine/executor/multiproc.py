@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 
 from turbollm.distributed.shm_comm import ShmFiles
-from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
+from turbollm.distributed.tensor_parallel import ACTIVE_CPU_S, STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
@@ -356,8 +356,6 @@ class _Stall:
             self.base, self.since = ticks, time.monotonic()
         return time.monotonic() - self.since > STEP_TIMEOUT_S
 
-
-ACTIVE_CPU_S = 0.2  # CPU seconds per STEP_TIMEOUT_S: a rank computing uses ~30x that
 
 
 def _start_failure(rank: int, traceback_text) -> ExecutorError:

@@ -3,21 +3,29 @@ engine and rank 0's worker; the other ranks, on this host or others, run `run_wo
 
 Each step is broadcast to every rank over the control group and rank 0's own worker runs it too; the
 replies are gathered to rank 0 (the step's output is the first rank of the last pipeline stage's).
-A rank that fails a step leaves the others' collectives behind: as in the multi-process executor,
-that is fatal for the engine.
+Those collectives run in a thread of rank 0's own while the engine's thread reads the other ranks'
+heartbeats (heartbeat.py): a rank that dies is found as its connections close, one that hangs within
+10 s, and either ends the engine (`WorkerDiedError` naming the rank; every later step says the ranks are
+out of step). A rank that fails a step leaves the others' collectives behind: as in the multi-process
+executor, that is fatal for the engine too.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import random
 import socket
+import threading
 import traceback
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
+from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.engine.executor.heartbeat import POLL_S, HangWatch, Heartbeat
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.log import init_logger
@@ -68,29 +76,73 @@ class TorchrunExecutor(Executor):
             raise ExecutorError(f"rank {rank} failed to start:\n{payload}") from (failure if rank == 0 else None)
         self._set_footprints([p[0] for _, p in replies], args.tensor_parallel_size)
         self._where = [p[1] for _, p in replies]  # each rank's (host, pid): who to name when one is gone
+        self._watch = HangWatch(self._where)
+        self._sent = 0  # messages sent to the ranks since they started (the heartbeats count the same)
+        self._jobs: queue.Queue[_Round] = queue.Queue()
+        self._rounds: threading.Thread | None = None
 
     def _round(self, kind: str, payload, run) -> list:
+        """Message `kind` to every rank and their replies, in rank order. The collectives and rank 0's own part
+        run in a thread of their own (`_rounds`): this one watches the other ranks' heartbeats meanwhile,
+        so a rank that hangs ends the wait within 10 s (a gloo collective cannot be interrupted)."""
         if self._broken is not None:
             raise WorkerDiedError(f"the torchrun ranks are out of step since: {self._broken}")
+        self._sent += 1
+        job = _Round(kind, payload, run)
+        if self._rounds is None:
+            self._rounds = threading.Thread(target=self._serve_rounds, name="turbollm-torchrun-rounds", daemon=True)
+            self._rounds.start()
+        self._jobs.put(job)
+        self._watch.begin(self._sent)
         try:
-            broadcast((kind, payload), self._group)
+            while not job.finished.wait(POLL_S):
+                why = self._watch.hung(own_busy=not job.ran.is_set())
+                if why is not None:
+                    self._broken = f"{why} while {kind}" + (f"; rank 0: {job.own_error}" if job.own_error else "")
+                    raise WorkerDiedError(self._broken)
+        except BaseException:
+            if self._broken is None and not job.finished.wait(STEP_TIMEOUT_S):  # e.g. Ctrl-C: the step ends first
+                self._broken = f"interrupted while the ranks ran {kind}"
+            raise
+        if job.error is not None:
+            self._broken = job.error
+            raise WorkerDiedError(self._broken)
+        return job.replies
+
+    def _serve_rounds(self) -> None:
+        """The rounds' thread: each message broadcast, rank 0's own part run, the replies gathered."""
+        while True:
+            job = self._jobs.get()
+            try:
+                job.replies = self._round_now(job)
+            except _RoundFailed as e:
+                job.error = str(e)
+            except BaseException as e:  # noqa: BLE001 - e.g. a step that does not pickle: the engine's to raise
+                job.error = f"{type(e).__name__}: {e}"
+            job.finished.set()
+            if job.error is not None:
+                return  # the ranks are out of step: no later round runs
+
+    def _round_now(self, job: _Round) -> list:
+        kind = job.kind
+        try:
+            broadcast((kind, job.payload), self._group)
         except Exception as e:  # noqa: BLE001 - a rank is gone (its connections closed)
-            self._broken = f"{self._gone()}: the step could not be sent to every rank ({type(e).__name__}: {e})"
-            raise WorkerDiedError(self._broken) from None
+            raise _RoundFailed(f"{self._gone()}: the step could not be sent to every rank ({type(e).__name__}: {e})")
         try:
-            mine = ("ok", run())
+            mine = ("ok", job.run())
         except Exception as e:  # noqa: BLE001 - gathered with the others'
             mine = ("error", f"{type(e).__name__}: {e}")
+            job.own_error = mine[1]
+        job.ran.set()
         try:
             replies = gather(mine, self._group)
         except Exception as e:  # noqa: BLE001 - a rank died (its connections closed) or hangs (the gather timed out)
-            self._broken = f"{self._gone()}: the ranks did not all answer {kind} ({type(e).__name__}: {e})" + (
-                f"; rank 0: {mine[1]}" if mine[0] != "ok" else "")
-            raise WorkerDiedError(self._broken) from None
+            raise _RoundFailed(f"{self._gone()}: the ranks did not all answer {kind} ({type(e).__name__}: {e})" + (
+                f"; rank 0: {mine[1]}" if mine[0] != "ok" else ""))
         for rank, (k, p) in enumerate(replies):
             if k != "ok":
-                self._broken = f"rank {rank} failed {kind}:\n{p}"
-                raise WorkerDiedError(self._broken)
+                raise _RoundFailed(f"rank {rank} failed {kind}:\n{p}")
         return [p for _, p in replies]
 
     def _gone(self) -> str:
@@ -125,6 +177,24 @@ class TorchrunExecutor(Executor):
             dist.destroy_process_group()
 
 
+@dataclass(eq=False)
+class _Round:
+    """One message to every rank, between the engine's thread and the rounds' thread."""
+
+    kind: str
+    payload: object
+    run: object  # rank 0's own part
+    ran: threading.Event = field(default_factory=threading.Event)  # rank 0's own part is done
+    finished: threading.Event = field(default_factory=threading.Event)
+    replies: list | None = None
+    error: str | None = None  # why the ranks are out of step now
+    own_error: str | None = None
+
+
+class _RoundFailed(Exception):
+    pass
+
+
 def _whereabouts() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
@@ -136,6 +206,7 @@ def run_worker() -> bool:
 
     group = join_control_group()
     rank = dist.get_rank()
+    beat = Heartbeat(rank)
     args, kv_config, seed = broadcast(None, group)
     if args is None:  # rank 0 refused the split (it says why)
         dist.destroy_process_group()
@@ -150,10 +221,12 @@ def run_worker() -> bool:
     gather(("ok", (worker.footprint(), _whereabouts())), group)
     out_rank = args.world_size - args.tensor_parallel_size  # the first rank of the last stage
     try:
+        step = 0
         while True:
             kind, payload = broadcast(None, group)
             if kind == "shutdown":
                 return True
+            step += 1
             try:
                 if kind == "call":
                     reply = ("ok", getattr(worker, payload)())
@@ -162,6 +235,7 @@ def run_worker() -> bool:
                     reply = ("ok", out if rank == out_rank else None)
             except Exception:  # noqa: BLE001 - this step failed; rank 0 decides
                 reply = ("error", traceback.format_exc())
+            beat.done(step)
             gather(reply, group)
     finally:
         dist.destroy_process_group()
