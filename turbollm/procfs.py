@@ -38,3 +38,23 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # someone else's: alive
         return True
     return proc_state(pid) != "Z"
+
+
+def threads_cpu_ticks(exclude: set[int]) -> int:
+    """User + system CPU time of this process's threads but those with native ids in `exclude`, in clock ticks
+    (a thread that has ended no longer counts)."""
+    total = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        if int(tid) in exclude:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total

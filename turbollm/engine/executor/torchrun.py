@@ -4,10 +4,11 @@ engine and rank 0's worker; the other ranks, on this host or others, run `run_wo
 Each step is broadcast to every rank over the control group and rank 0's own worker runs it too; the
 replies are gathered to rank 0 (the step's output is the first rank of the last pipeline stage's).
 Those collectives run in a thread of rank 0's own while the engine's thread reads the other ranks'
-heartbeats (heartbeat.py): a rank that dies is found as its connections close, one that hangs within
-10 s, and either ends the engine (`WorkerDiedError` naming the rank; every later step says the ranks are
-out of step). A rank that fails a step leaves the others' collectives behind: as in the multi-process
-executor, that is fatal for the engine too.
+heartbeats (heartbeat.py): a rank that dies is found as its connections close (and named: on this host
+by its pid, elsewhere by its heartbeats), one that hangs within 10 s, and either ends the engine
+(`WorkerDiedError` naming the rank; every later step says the ranks are out of step). A rank that fails
+a step leaves the others' collectives behind: as in the multi-process executor, that is fatal for the
+engine too.
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from __future__ import annotations
 import os
 import queue
 import random
-import socket
 import threading
 import traceback
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
-from turbollm.engine.executor.heartbeat import POLL_S, HangWatch, Heartbeat
+from turbollm.engine.executor.heartbeat import POLL_S, HangWatch, Heartbeat, whereabouts
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.log import init_logger
-from turbollm.procfs import pid_alive
+from turbollm.procfs import pid_alive, threads_cpu_ticks
 
 logger = init_logger()
 
@@ -55,10 +56,11 @@ class TorchrunExecutor(Executor):
         self._out_rank = args.world_size - args.tensor_parallel_size
         self._broken: str | None = None
         self._closed = False
+        self._job: _Round | None = None  # the latest round given to the rounds' thread
         failure = None
         try:
             self.worker = Worker(args, kv_config, rank=0, sampler_seed=seed)
-            mine = ("ok", (self.worker.footprint(), _whereabouts()))
+            mine = ("ok", (self.worker.footprint(), whereabouts()))
         except BaseException as e:  # noqa: BLE001 - the others still answer the gather
             mine, failure = ("error", repr(e)), e
         try:
@@ -75,48 +77,80 @@ class TorchrunExecutor(Executor):
             rank, payload = failed[0]
             raise ExecutorError(f"rank {rank} failed to start:\n{payload}") from (failure if rank == 0 else None)
         self._set_footprints([p[0] for _, p in replies], args.tensor_parallel_size)
-        self._where = [p[1] for _, p in replies]  # each rank's (host, pid): who to name when one is gone
+        self._where = [p[1] for _, p in replies]  # each rank's host and pid: who to name when one is gone
         self._watch = HangWatch(self._where)
         self._sent = 0  # messages sent to the ranks since they started (the heartbeats count the same)
         self._jobs: queue.Queue[_Round] = queue.Queue()
         self._rounds: threading.Thread | None = None
+        self._threads = torch.get_num_threads()  # set here by the worker; per thread under OpenMP
 
     def _round(self, kind: str, payload, run) -> list:
         """Message `kind` to every rank and their replies, in rank order. The collectives and rank 0's own part
         run in a thread of their own (`_rounds`): this one watches the other ranks' heartbeats meanwhile,
         so a rank that hangs ends the wait within 10 s (a gloo collective cannot be interrupted)."""
+        if self._closed:
+            raise ExecutorError("the torchrun executor is shut down")
+        if self._broken is None and self._job is not None and not self._job.finished.is_set():
+            self._broken = f"interrupted while the ranks ran {self._job.kind}"  # its wait ended early (Ctrl-C)
         if self._broken is not None:
             raise WorkerDiedError(f"the torchrun ranks are out of step since: {self._broken}")
         self._sent += 1
-        job = _Round(kind, payload, run)
-        if self._rounds is None:
-            self._rounds = threading.Thread(target=self._serve_rounds, name="turbollm-torchrun-rounds", daemon=True)
-            self._rounds.start()
-        self._jobs.put(job)
+        job = self._submit(_Round(kind, payload, run))
         self._watch.begin(self._sent)
         try:
             while not job.finished.wait(POLL_S):
-                why = self._watch.hung(own_busy=not job.ran.is_set())
+                why = self._watch.hung(None if job.ran.is_set() else self._own_cpu_s())
                 if why is not None:
                     self._broken = f"{why} while {kind}" + (f"; rank 0: {job.own_error}" if job.own_error else "")
                     raise WorkerDiedError(self._broken)
         except BaseException:
-            if self._broken is None and not job.finished.wait(STEP_TIMEOUT_S):  # e.g. Ctrl-C: the step ends first
-                self._broken = f"interrupted while the ranks ran {kind}"
+            if self._broken is None:  # e.g. Ctrl-C: the step ends first, or the ranks are out of step
+                self._broken = self._verdict(job) if job.finished.wait(STEP_TIMEOUT_S) else \
+                    f"interrupted while the ranks ran {kind}"
             raise
-        if job.error is not None:
-            self._broken = job.error
+        if self._broken is None:
+            self._broken = self._verdict(job)
+        if self._broken is not None:
             raise WorkerDiedError(self._broken)
         return job.replies
 
+    def _submit(self, job: _Round) -> _Round:
+        """Queue `job` for the rounds' thread: every collective of the control group is issued there, in order."""
+        if self._rounds is None:
+            self._rounds = threading.Thread(target=self._serve_rounds, name="turbollm-torchrun-rounds", daemon=True)
+            self._rounds.start()
+        self._job = job
+        self._jobs.put(job)
+        return job
+
+    def _verdict(self, job: _Round) -> str | None:
+        """Why the ranks are out of step after a finished round (None: they are not)."""
+        if job.error is None:
+            return None
+        return f"{self._gone()}: {job.error}" if job.lost else job.error
+
+    def _own_cpu_s(self) -> float:
+        """CPU seconds of rank 0's own part: every thread of this process but its other Python threads (the
+        rounds' thread, the OpenMP team it leads, gloo's; not the engine's or the server's)."""
+        others = {t.native_id for t in threading.enumerate() if t is not self._rounds and t.native_id is not None}
+        return threads_cpu_ticks(others) / _CLOCK_TICKS
+
     def _serve_rounds(self) -> None:
         """The rounds' thread: each message broadcast, rank 0's own part run, the replies gathered."""
+        torch.set_num_threads(self._threads)
         while True:
             job = self._jobs.get()
+            if job.kind == "shutdown":
+                try:
+                    broadcast(("shutdown", None), self._group)
+                except BaseException as e:  # noqa: BLE001 - the ranks are gone already
+                    job.error = f"{type(e).__name__}: {e}"
+                job.finished.set()
+                return
             try:
                 job.replies = self._round_now(job)
             except _RoundFailed as e:
-                job.error = str(e)
+                job.error, job.lost = str(e), e.lost
             except BaseException as e:  # noqa: BLE001 - e.g. a step that does not pickle: the engine's to raise
                 job.error = f"{type(e).__name__}: {e}"
             job.finished.set()
@@ -128,7 +162,7 @@ class TorchrunExecutor(Executor):
         try:
             broadcast((kind, job.payload), self._group)
         except Exception as e:  # noqa: BLE001 - a rank is gone (its connections closed)
-            raise _RoundFailed(f"{self._gone()}: the step could not be sent to every rank ({type(e).__name__}: {e})")
+            raise _RoundFailed(f"the step could not be sent to every rank ({type(e).__name__}: {e})", lost=True)
         try:
             mine = ("ok", job.run())
         except Exception as e:  # noqa: BLE001 - gathered with the others'
@@ -138,22 +172,24 @@ class TorchrunExecutor(Executor):
         try:
             replies = gather(mine, self._group)
         except Exception as e:  # noqa: BLE001 - a rank died (its connections closed) or hangs (the gather timed out)
-            raise _RoundFailed(f"{self._gone()}: the ranks did not all answer {kind} ({type(e).__name__}: {e})" + (
-                f"; rank 0: {mine[1]}" if mine[0] != "ok" else ""))
+            raise _RoundFailed(f"the ranks did not all answer {kind} ({type(e).__name__}: {e})" + (
+                f"; rank 0: {mine[1]}" if mine[0] != "ok" else ""), lost=True)
         for rank, (k, p) in enumerate(replies):
             if k != "ok":
                 raise _RoundFailed(f"rank {rank} failed {kind}:\n{p}")
         return [p for _, p in replies]
 
     def _gone(self) -> str:
-        """The ranks to blame when a collective with them failed: those on this host whose process is gone,
-        else every other rank (gloo names only a peer's address)."""
-        host = socket.gethostname()
-        dead = [r for r, (h, pid) in enumerate(self._where) if r and h == host and not pid_alive(pid)]
+        """The ranks to blame when a collective with them failed (gloo names only a peer's address): those on this
+        host whose process is gone, else those whose heartbeats stopped without their seeing a failure, else
+        every other rank."""
+        dead = [r for r, w in enumerate(self._where) if r and w.local and not pid_alive(w.pid)]
         if dead:
-            return ", ".join(f"rank {r} (pid {self._where[r][1]}) is gone" for r in dead)
-        return "a rank is gone or hangs (" + ", ".join(f"rank {r}: pid {pid} on {h}" for r, (h, pid) in
-                                                     enumerate(self._where) if r) + ")"
+            return ", ".join(f"rank {r} (pid {self._where[r].pid}) is gone" for r in dead)
+        quiet = self._watch.gone()
+        if quiet:
+            return ", ".join(f"{self._watch.name(r)} is gone (its heartbeats stopped)" for r in quiet)
+        return "a rank is gone or hangs (" + ", ".join(f"rank {r}: {w}" for r, w in enumerate(self._where) if r) + ")"
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self._round("execute", sched, lambda: self.worker.execute_model(sched))[self._out_rank]
@@ -169,12 +205,28 @@ class TorchrunExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        job = self._job
+        if self._broken is None and job is not None:  # a step left running (its wait interrupted)
+            if not job.finished.wait(STEP_TIMEOUT_S):
+                self._broken = f"shut down while the ranks ran {job.kind}"
+            elif job.error is not None:
+                self._broken = job.error
         if self._broken is not None:  # a rank that hangs would keep the broadcast waiting
             return
-        try:
-            broadcast(("shutdown", None), self._group)
-        finally:
-            dist.destroy_process_group()
+        if self._rounds is None:  # no step yet (or a failed start): this thread issues the broadcast
+            try:
+                broadcast(("shutdown", None), self._group)
+            finally:
+                dist.destroy_process_group()
+            return
+        job = self._submit(_Round("shutdown", None, None))
+        if not job.finished.wait(STEP_TIMEOUT_S):
+            logger.warning("the torchrun ranks were not told to stop: the broadcast did not end in %d s",
+                           STEP_TIMEOUT_S)
+            return
+        if job.error is not None:
+            logger.warning("the torchrun ranks were not all told to stop: %s", job.error)
+        dist.destroy_process_group()
 
 
 @dataclass(eq=False)
@@ -188,15 +240,17 @@ class _Round:
     finished: threading.Event = field(default_factory=threading.Event)
     replies: list | None = None
     error: str | None = None  # why the ranks are out of step now
+    lost: bool = False  # a collective failed: a rank is gone or hangs (named by the engine's thread)
     own_error: str | None = None
 
 
 class _RoundFailed(Exception):
-    pass
+    def __init__(self, message: str, lost: bool = False):
+        super().__init__(message)
+        self.lost = lost
 
 
-def _whereabouts() -> tuple[str, int]:
-    return socket.gethostname(), os.getpid()
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def run_worker() -> bool:
@@ -218,12 +272,16 @@ def run_worker() -> bool:
         broadcast(None, group)
         dist.destroy_process_group()
         return False
-    gather(("ok", (worker.footprint(), _whereabouts())), group)
+    gather(("ok", (worker.footprint(), whereabouts())), group)
     out_rank = args.world_size - args.tensor_parallel_size  # the first rank of the last stage
     try:
         step = 0
         while True:
-            kind, payload = broadcast(None, group)
+            try:
+                kind, payload = broadcast(None, group)
+            except Exception:
+                beat.lost()  # rank 0 names the rank that is gone by the heartbeats that stopped without this
+                raise
             if kind == "shutdown":
                 return True
             step += 1
@@ -236,6 +294,10 @@ def run_worker() -> bool:
             except Exception:  # noqa: BLE001 - this step failed; rank 0 decides
                 reply = ("error", traceback.format_exc())
             beat.done(step)
-            gather(reply, group)
+            try:
+                gather(reply, group)
+            except Exception:
+                beat.lost()
+                raise
     finally:
         dist.destroy_process_group()
