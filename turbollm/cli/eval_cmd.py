@@ -31,8 +31,9 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                                     "(parity margin rule) on the parity and HumanEval prompts, and each rank's "
                                     "weight bytes")
     tp.add_argument("model", help="catalog name, GGUF file, HF folder or hub id")
-    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
-    tp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=2,
+                    help="ranks per pipeline stage (default: 2; give 1 with -pp to check stages alone)")
+    tp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (default: 1)")
     tp.add_argument("--quantization", default=None, help="weights' linear method (default: the checkpoint's)")
     tp.add_argument("--num-prompts", type=int, default=32, help="HumanEval prompts besides the parity prompts")
     tp.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
