@@ -6,6 +6,7 @@ whose beats stopped without its saying so is the one gone."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -208,3 +209,20 @@ def test_whereabouts_tell_this_machine_from_another_of_the_same_name():
     here = whereabouts()
     assert here.local and here.pid == os.getpid()
     assert not Whereabouts(here.host, here.pid, "another machine").local
+
+
+def test_beats_that_stop_because_the_process_on_this_machine_ended_say_it_is_gone(clock):
+    """A killed rank may keep its sockets open while its memory is released (gloo sees nothing yet): its beats
+    have stopped, and its process on this machine has ended or is ending."""
+    dead = subprocess.Popen(["sleep", "60"])
+    try:
+        dead.kill()  # a zombie until reaped: ended
+        here = whereabouts()
+        store = Store()
+        watch = HangWatch([here, Whereabouts(here.host, dead.pid, here.space)], store=store,
+                          clock=lambda: clock[0], sleep=_no_sleep)
+        watch.begin(3)
+        why = _run(watch, store, clock, 20, lambda t: _beat(store, 1, 5, 1.0, 2))
+        assert why is not None and why.startswith(f"rank 1 (pid {dead.pid} on {here.host}) is gone: no heartbeat"), why
+    finally:
+        dead.wait()

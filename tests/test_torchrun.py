@@ -135,7 +135,8 @@ KILL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_a_torchrun_rank_killed_or_stopped_mid_request_ends_the_engine_within_10_s(tiny, tmp_path, kw, sig):
     """Rank 1 (the other "node") killed, or stopped (a hang), while rank 0 generates: rank 0's next step raises
-    WorkerDiedError within 10 s naming it (killed: its gloo connections close; stopped: its heartbeats stop),
+    WorkerDiedError within 10 s naming it (killed: its gloo connections close, or its beats stop while its process
+    ends; stopped: its heartbeats stop),
     and every later step says the ranks are out of step."""
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)

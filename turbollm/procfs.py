@@ -29,6 +29,18 @@ def proc_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+PF_EXITING = 0x4  # the process flag set as a process starts to end (its memory and files still being released)
+
+
+def proc_exiting(pid: int) -> bool:
+    """Whether process `pid` is ending (killed: it may hold its sockets open a while longer)."""
+    fields = proc_fields(pid)
+    try:
+        return bool(fields and int(fields[6]) & PF_EXITING)
+    except (ValueError, IndexError):
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (one that is gone, its parent not yet told)."""
     try:

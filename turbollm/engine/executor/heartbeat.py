@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from turbollm.distributed.tensor_parallel import ACTIVE_CPU_S, STEP_TIMEOUT_S
-from turbollm.procfs import proc_state
+from turbollm.procfs import pid_alive, proc_exiting, proc_state
 
 BEAT_S = 1.0
 POLL_S = 0.5
@@ -176,8 +176,7 @@ class HangWatch:
             if seen is None or seen[0] != b:
                 self._seen[r] = (b, now)
             elif now - seen[1] > STEP_TIMEOUT_S and state != "lost":  # "lost": it saw another rank fail and ends
-                return (f"{self.name(r)} stopped answering (hung): no heartbeat for {now - seen[1]:.0f} s"
-                        f"{self._stopped(r)}")
+                return f"{self.name(r)} {self._silence(r)}: no heartbeat for {now - seen[1]:.0f} s{self._stopped(r)}"
         silent = {r: cpu for r, (_, cpu, done, _) in beats.items() if done < self._step}
         if own_cpu is not None:
             silent[0] = own_cpu
@@ -206,6 +205,12 @@ class HangWatch:
 
     def name(self, rank: int) -> str:
         return f"rank {rank} ({self._where[rank]})"
+
+    def _silence(self, rank: int) -> str:
+        """A rank on this machine whose process has ended, or is ending (killed, its sockets not yet closed), is
+        gone; else it hangs, as far as rank 0 can tell."""
+        w = self._where[rank]
+        return "is gone" if w.local and (not pid_alive(w.pid) or proc_exiting(w.pid)) else "stopped answering (hung)"
 
     def _stopped(self, rank: int) -> str:
         w = self._where[rank]
