@@ -216,7 +216,8 @@ def test_beats_that_stop_because_the_process_on_this_machine_ended_say_it_is_gon
     have stopped, and its process on this machine has ended or is ending."""
     dead = subprocess.Popen(["sleep", "60"])
     try:
-        dead.kill()  # a zombie until reaped: ended
+        dead.kill()
+        os.waitid(os.P_PID, dead.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped (a zombie): its pid still names it
         here = whereabouts()
         store = Store()
         watch = HangWatch([here, Whereabouts(here.host, dead.pid, here.space)], store=store,
