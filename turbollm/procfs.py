@@ -6,22 +6,34 @@ from __future__ import annotations
 import os
 
 
-def proc_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name (state first), or None when it cannot be read."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # clock ticks per second (the unit of /proc's CPU times)
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """A stat file of /proc after the command name (state first), or None when it cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             return f.read().rpartition(")")[2].split()
     except OSError:
         return None
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """User + system CPU time of process `pid`, in clock ticks (None when it cannot be read)."""
-    fields = proc_fields(pid)
+def _ticks(fields: list[str] | None) -> int | None:
+    """User + system CPU time in a stat file's fields, in clock ticks."""
     try:
         return int(fields[11]) + int(fields[12]) if fields else None
     except (ValueError, IndexError):
         return None
+
+
+def proc_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state first), or None when it cannot be read."""
+    return _stat_fields(f"/proc/{pid}/stat")
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of process `pid`, in clock ticks (None when it cannot be read)."""
+    return _ticks(proc_fields(pid))
 
 
 def proc_state(pid: int) -> str | None:
@@ -52,21 +64,12 @@ def pid_alive(pid: int) -> bool:
     return proc_state(pid) != "Z"
 
 
-def threads_cpu_ticks(exclude: set[int]) -> int:
-    """User + system CPU time of this process's threads but those with native ids in `exclude`, in clock ticks
+def threads_cpu_s(exclude: set[int]) -> float:
+    """User + system CPU time of this process's threads but those with native ids in `exclude`, in seconds
     (a thread that has ended no longer counts)."""
-    total = 0
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return 0
-    for tid in tids:
-        if int(tid) in exclude:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+        return 0.0
+    ticks = (_ticks(_stat_fields(f"/proc/self/task/{tid}/stat")) for tid in tids if int(tid) not in exclude)
+    return sum(t for t in ticks if t is not None) / CLOCK_TICKS

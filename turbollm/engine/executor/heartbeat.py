@@ -23,6 +23,7 @@ their weights) is judged by that timeout too.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import threading
@@ -53,10 +54,16 @@ class Whereabouts:
     def local(self) -> bool:
         return self.space == _pid_space()
 
+    def ended(self) -> bool:
+        """Whether this is a process of this machine that has ended or is ending (killed: it may hold its
+        sockets open a while longer); False for one elsewhere (rank 0 cannot tell)."""
+        return self.local and (not pid_alive(self.pid) or proc_exiting(self.pid))
+
     def __str__(self) -> str:
         return f"pid {self.pid} on {self.host}"
 
 
+@functools.cache
 def _pid_space() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -209,8 +216,7 @@ class HangWatch:
     def _silence(self, rank: int) -> str:
         """A rank on this machine whose process has ended, or is ending (killed, its sockets not yet closed), is
         gone; else it hangs, as far as rank 0 can tell."""
-        w = self._where[rank]
-        return "is gone" if w.local and (not pid_alive(w.pid) or proc_exiting(w.pid)) else "stopped answering (hung)"
+        return "is gone" if self._where[rank].ended() else "stopped answering (hung)"
 
     def _stopped(self, rank: int) -> str:
         w = self._where[rank]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import os
 import queue
 import random
 import signal
@@ -44,7 +43,7 @@ from turbollm.distributed.tensor_parallel import ACTIVE_CPU_S, STEP_TIMEOUT_S
 from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
-from turbollm.procfs import cpu_ticks, proc_state
+from turbollm.procfs import CLOCK_TICKS, cpu_ticks, proc_state
 
 logger = logging.getLogger("turbollm")
 POLL_S = 1.0
@@ -352,7 +351,7 @@ class _Stall:
         if None in ticks.values():
             return False
         used = sum(t - self.base.get(r, t) for r, t in ticks.items())
-        if not self.base or used >= ACTIVE_CPU_S * os.sysconf("SC_CLK_TCK"):
+        if not self.base or used >= ACTIVE_CPU_S * CLOCK_TICKS:
             self.base, self.since = ticks, time.monotonic()
         return time.monotonic() - self.since > STEP_TIMEOUT_S
 

@@ -13,7 +13,6 @@ engine too.
 
 from __future__ import annotations
 
-import os
 import queue
 import random
 import threading
@@ -30,7 +29,7 @@ from turbollm.engine.executor.heartbeat import POLL_S, HangWatch, Heartbeat, whe
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.log import init_logger
-from turbollm.procfs import pid_alive, threads_cpu_ticks
+from turbollm.procfs import threads_cpu_s
 
 logger = init_logger()
 
@@ -77,7 +76,7 @@ class TorchrunExecutor(Executor):
             rank, payload = failed[0]
             raise ExecutorError(f"rank {rank} failed to start:\n{payload}") from (failure if rank == 0 else None)
         self._set_footprints([p[0] for _, p in replies], args.tensor_parallel_size)
-        self._where = [p[1] for _, p in replies]  # each rank's host and pid: who to name when one is gone
+        self._where = [p[1] for _, p in replies]  # each rank's whereabouts: who to name when one is gone
         self._watch = HangWatch(self._where)
         self._sent = 0  # messages sent to the ranks since they started (the heartbeats count the same)
         self._jobs: queue.Queue[_Round] = queue.Queue()
@@ -133,7 +132,7 @@ class TorchrunExecutor(Executor):
         """CPU seconds of rank 0's own part: every thread of this process but its other Python threads (the
         rounds' thread, the OpenMP team it leads, gloo's; not the engine's or the server's)."""
         others = {t.native_id for t in threading.enumerate() if t is not self._rounds and t.native_id is not None}
-        return threads_cpu_ticks(others) / _CLOCK_TICKS
+        return threads_cpu_s(others)
 
     def _serve_rounds(self) -> None:
         """The rounds' thread: each message broadcast, rank 0's own part run, the replies gathered."""
@@ -181,9 +180,9 @@ class TorchrunExecutor(Executor):
 
     def _gone(self) -> str:
         """The ranks to blame when a collective with them failed (gloo names only a peer's address): those on this
-        host whose process is gone, else those whose heartbeats stopped without their seeing a failure, else
-        every other rank."""
-        dead = [r for r, w in enumerate(self._where) if r and w.local and not pid_alive(w.pid)]
+        machine whose process has ended or is ending, else those whose heartbeats stopped without their seeing a
+        failure, else every other rank."""
+        dead = [r for r, w in enumerate(self._where) if r and w.ended()]
         if dead:
             return ", ".join(f"rank {r} (pid {self._where[r].pid}) is gone" for r in dead)
         quiet = self._watch.gone()
@@ -248,9 +247,6 @@ class _RoundFailed(Exception):
     def __init__(self, message: str, lost: bool = False):
         super().__init__(message)
         self.lost = lost
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def run_worker() -> bool:
