@@ -25,6 +25,7 @@ from conftest import catalog_model_path
 from quant_tiny import build_tiny
 from test_gguf_native import write_tiny_gguf
 from turbollm import LLM, SamplingParams
+from turbollm.kernels import forms
 
 PROMPTS, CACHED, EXTRA = 16, 32, 4
 
@@ -104,8 +105,52 @@ def test_dense_and_integer_layouts(tmp_path_factory, quantization):
     assert_row_invariant(str(folder), 384, quantization=quantization)
 
 
+def _tails_then_decodes(llm: LLM, prompts: list[list[int]], together: bool) -> tuple[list, list]:
+    """Token ids and logprobs of DECODES greedy tokens after each prompt's EXTRA-token tail, the prompts in
+    one batch (a first step of PROMPTS x EXTRA rows, then batch-PROMPTS decodes) or each alone; the step
+    sizes the runner saw."""
+    runner = llm.engine.executor.worker.runner
+    steps: list[int] = []
+    real_run = runner.run_model
+
+    def spy_run(batch):
+        steps.append(batch.input_ids.numel())
+        return real_run(batch)
+
+    runner.run_model = spy_run
+    params = SamplingParams(temperature=0, max_tokens=DECODES + 1, ignore_eos=True, logprobs=3)
+    groups = [prompts] if together else [[p] for p in prompts]
+    outs = []
+    for group in groups:
+        start = len(steps)
+        outs += llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False)
+        assert steps[start] == len(group) * EXTRA, f"the tails' step: {steps[start:start + 2]}"
+        assert steps[start + 1:] == [len(group)] * DECODES, steps[start + 1:]
+    runner.run_model = real_run
+    return ([o.outputs[0].token_ids for o in outs],
+            [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs])
+
+
+DECODES = 32
+FORM_PATHS = [("avx2", "q16"), ("avx512_vnni", "auto"), ("avx512_vnni", "fast")]
+
+
 @pytest.mark.model
-def test_catalog_k_quants_and_sliding_windows():
-    """gemma3-270m: Q4_K / Q6_K and Q5_0 / Q8_0 (q16 in blocks of 256 and of 32), full and sliding-window
-    layer groups."""
-    assert_row_invariant(str(catalog_model_path("gemma3-270m")), 20000, kv_cache_memory=64 << 20)
+@pytest.mark.parametrize(("form", "qmatmul"), FORM_PATHS, ids=[f"{f}-{q}" for f, q in FORM_PATHS])
+def test_catalog_tails_then_decodes_on_every_form(form, qmatmul):
+    """gemma3-270m (Q4_K / Q6_K / Q5_0 / Q8_0, full and sliding-window layer groups): 16 prompts whose
+    first 32 tokens are cached bring 4-token tails in one step (64 rows), then decode 32 tokens together;
+    every token and logprob equals the prompt's run alone, bit for bit. On each kernel form this CPU runs,
+    with its numerics for any batch size (avx2: q16 forced, its row kernels; avx512_vnni: the tile
+    kernels' q8x2 and q8)."""
+    if form not in forms.runnable_forms():
+        pytest.skip(f"this CPU does not run the {form} form")
+    llm = LLM(str(catalog_model_path("gemma3-270m")), kv_cache_memory=64 << 20, threads=2, block_size=16,
+              enable_prefix_caching=True, kernel_form=form, qmatmul=qmatmul)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 20000, (CACHED + EXTRA,), generator=g).tolist() for _ in range(PROMPTS)]
+    llm.generate([{"prompt_token_ids": p[:CACHED]} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
+    tokens_b, logprobs_b = _tails_then_decodes(llm, prompts, together=True)
+    tokens_a, logprobs_a = _tails_then_decodes(llm, prompts, together=False)
+    same = sum(ta == tb and la == lb for ta, tb, la, lb in zip(tokens_a, tokens_b, logprobs_a, logprobs_b))
+    assert same == PROMPTS, f"{same}/{PROMPTS} prompts alone equal to batched"

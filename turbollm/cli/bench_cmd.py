@@ -1,4 +1,5 @@
-"""`turbollm bench`: `load` (load time and resident memory) here; `throughput` and `latency` in bench_perf_cmd."""
+"""`turbollm bench`: `load` (load time and resident memory) here; `throughput` and `latency` in bench_perf_cmd,
+`kernels` in bench_kernels_cmd."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import resource
 import time
 
+from turbollm.cli.bench_kernels_cmd import add_kernel_bench
 from turbollm.cli.bench_kv_cmd import add_kv_bench
 from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
 from turbollm.cli.bench_serve_cmd import add_serve_bench
@@ -33,6 +35,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_serve_bench(bsub)
     add_spec_bench(bsub)
     add_kv_bench(bsub)
+    add_kernel_bench(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

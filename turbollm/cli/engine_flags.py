@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from turbollm.engine.engine_args import KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
+from turbollm.kernels.forms import FORMS
 
 
 class QuantizationFlag(argparse._StoreAction):
@@ -68,6 +69,10 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                    help="quantized-matmul numerics: auto (default; 16-bit activations for small batches, "
                         "dequantize + fp32 sgemm for large), fast (llama.cpp's 8-bit activations: faster decode, "
                         "KL ~4e-3), or one path for every batch size (q8, q8x2, q16, dequant)")
+    p.add_argument("--kernel-form", default=None, choices=list(FORMS),
+                   help="CPU kernel form: avx2, avx512_vnni (GGML weights repacked at load into interleaved rows, "
+                        "one integer tile kernel for every batch size) or amx (the same, whole tiles of 16 rows "
+                        "on AMX); default: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it, else avx2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="tensor parallelism: N worker processes on this host, each with 1/N of every weight and of "
                         "the KV heads, joined over gloo (the cores split between them)")
@@ -110,7 +115,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_sinks=ns.attention_sinks, kv_window=ns.kv_window, kv_recent_window=ns.kv_recent_window,
         kv_budget=ns.kv_budget,
         distributed_executor_backend=ns.distributed_executor_backend, qmatmul=ns.qmatmul,
-        tensor_parallel_size=ns.tensor_parallel_size, tp_shared_memory=ns.tp_shared_memory,
+        kernel_form=ns.kernel_form, tensor_parallel_size=ns.tensor_parallel_size, tp_shared_memory=ns.tp_shared_memory,
         pipeline_parallel_size=ns.pipeline_parallel_size, pp_layer_partition=ns.pp_layer_partition,
         pp_microbatches=ns.pp_microbatches, pp_steps_in_flight=ns.pp_steps_in_flight,
         speculative_config=getattr(ns, "speculative_config", None))

@@ -11,6 +11,8 @@ import time
 
 from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags, check_recent_window
 from turbollm.engine.engine_args import DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
+from turbollm.kernels.forms import FORMS, resolve_form
+from turbollm.quantization.base import set_kernel_form
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
 QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "q16", "dequant")  # as turbollm.eval.perplexity (kept import-light)
@@ -49,6 +51,9 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
                    help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw beside the repository)")
     p.add_argument("--qmatmul", choices=list(QMATMUL_MODES), default=None,
                    help="force the candidate's quantized-matmul path (at load and when scored)")
+    p.add_argument("--kernel-form", choices=list(FORMS), default=None,
+                   help="the candidate's CPU kernel form (default: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it; "
+                        "avx512_vnni repacks its GGML weights and multiplies them with one numerics at every size)")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), nargs="+", default=None,
                    help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32); "
                         "with --stream, several run in turn")
@@ -112,6 +117,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     text = load_text(data)
     with qmatmul_mode(ns.qmatmul):
         cand = load_model(ns.model, quantization=ns.quantization)
+    form = resolve_form(ns.kernel_form)
+    set_kernel_form(cand.model, form)
     ids, bos = tokenize_text(cand.tokenizer, text)
     plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
 
@@ -143,6 +150,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
                    kld_p99=0.0, kld_max=0.0, top1_agreement=100.0, ref_entropy=res["entropy"], entropy_delta=0.0)
     record = {
         "model": ns.model, "model_path": str(cand.resolved.path), "quantization": cand.quantization,
+        "kernel_form": form,
         "weights_storage": cand.weights_storage, "weight_MB": round(cand.weight_bytes / 1e6, 2),
         "reference": None if ns.no_reference else ns.reference,
         "reference_model": None if ns.no_reference else ref_model,

@@ -32,13 +32,15 @@ class DraftRunner:
         from turbollm.attention import get_attention_backend
         from turbollm.engine.kv_cache_spec import KVCacheConfig, allocate_kv_storage
         from turbollm.loader import load_model
-        from turbollm.quantization.base import set_qmatmul
+        from turbollm.kernels.forms import resolve_form
+        from turbollm.quantization.base import set_kernel_form, set_qmatmul
         from turbollm.spec_decode.draft_model import trimmed_head
 
         loaded = load_model(config.model, quantization=config.quantization)
         if config.draft_vocab_size is not None and config.draft_vocab_size < loaded.config.vocab_size:
             loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
         set_qmatmul(loaded.model, args.qmatmul)
+        set_kernel_form(loaded.model, resolve_form(args.kernel_form))
         # the draft's K/V in the target's float dtype (float16 beside a quantized target format)
         dtype = kv_config.dtype if kv_config.dtype.is_floating_point else torch.float16
         draft_kv = KVCacheConfig.for_model(loaded.config, kv_config.num_blocks, kv_config.block_size, dtype)

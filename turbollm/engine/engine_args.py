@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.forms import check_form
 from turbollm.spec_decode.config import parse_speculative_config
 
 GiB = 1 << 30
@@ -94,6 +95,10 @@ class EngineArgs:
     # batches, dequantize + sgemm above), "fast" (llama.cpp's q8 levels), or one path forced for every
     # batch size ("q8", "q8x2", "q16", "dequant"). Applied to this engine's model only.
     qmatmul: str | None = None
+    # the CPU kernel form (turbollm.kernels.forms): "avx2", "avx512_vnni" (GGML weights repacked into
+    # interleaved rows, one tile kernel for any batch size) or "amx" (the same, tiles of 16 rows on AMX);
+    # None: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it, else avx2. This engine's model only.
+    kernel_form: str | None = None
     # how the engine reaches its worker: "uni" (in this process) or "mp" (one worker process that
     # loads the model; plain data crosses the process boundary each step)
     distributed_executor_backend: str = "uni"
@@ -134,6 +139,7 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("float32", "auto"):
             raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
+        check_form(self.kernel_form)
         if self.qmatmul is not None and self.qmatmul not in QMATMUL_PATHS:
             raise InvalidRequestError(f"qmatmul {self.qmatmul!r}: choose one of {', '.join(QMATMUL_PATHS)}")
         if self.tensor_parallel_size < 1:

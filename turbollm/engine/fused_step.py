@@ -36,7 +36,7 @@ from torch import nn
 from turbollm.attention.backend import CPUKernelAttentionBackend, recent_tensors
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.kernels import cpu_kernels
-from turbollm.kernels.quant import q8_levels
+from turbollm.kernels.quant import is_repacked, q8_levels
 from turbollm.models.forward_batch import ForwardBatch, LayerHooks
 from turbollm.quantization.base import DENSE_PART, qmatmul_of
 
@@ -62,6 +62,7 @@ class FusedDecodeStep:
         self.rope_len = 0
         self.rope_tables: list = []  # each layer's cos table the step holds (RoPE growth replaces them)
         self.quantized = False
+        self.any_rows = False
         self.steps = 0  # steps run fused
         self.key_mass = False  # whether the built step has an eviction policy's key-mass output set
         self.unavailable: str | None = None  # why this model cannot take the step (logged once)
@@ -90,7 +91,7 @@ class FusedDecodeStep:
         max_pos = batch.max_position if batch.max_position is not None else int(batch.positions.max())
         if max_pos >= self.rope_len:
             return None  # the module path grows the tables; the step is rebuilt on them next time
-        levels = q8_levels(x.shape[0], qmatmul_of(self.model))
+        levels = q8_levels(x.shape[0], qmatmul_of(self.model), self.any_rows)
         if levels is None:
             if self.quantized:
                 return None
@@ -167,8 +168,10 @@ class FusedDecodeStep:
         self._set_hooks()
         self.rope_len = min(layer.self_attn.rotary._cache_len for layer in layers)
         self.rope_tables = [layer.self_attn.rotary.cos for layer in layers]
-        self.quantized = any(q != DENSE_PART for spec in specs for name in ("qkv", "o", "gate_up", "down")
-                             for q in spec[name]["qtypes"])
+        qtypes = [q for spec in specs for name in ("qkv", "o", "gate_up", "down") for q in spec[name]["qtypes"]]
+        self.quantized = any(q != DENSE_PART for q in qtypes)
+        # every quantized weight repacked (the avx512_vnni form): one numerics, and the fused step, for any rows
+        self.any_rows = all(q == DENSE_PART or is_repacked(q) for q in qtypes)
 
 
 def _linear_spec(layer: nn.Module) -> dict | None:

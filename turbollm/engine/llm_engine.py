@@ -52,6 +52,7 @@ from turbollm.engine.draft_runner import DraftRunner
 from turbollm.engine.sequence import Sequence
 from turbollm.engine.step_profile import profile_step_costs
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.forms import resolve_form
 from turbollm.loader import LoadedModel, describe_model, load_model
 from turbollm.log import init_logger
 from turbollm.outputs import RequestOutput
@@ -123,7 +124,7 @@ class LLMEngine:
                                                    spec_tokens, args.kv_recent_window or 0))
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
-                     args.qmatmul)).encode()
+                     args.qmatmul, resolve_form(args.kernel_form))).encode()
         self.kv_config = KVCacheConfig.from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
                                                    policy, args.max_num_seqs, self._batched_tokens(args),
                                                    spec_tokens, args.kv_recent_window or 0)

@@ -20,7 +20,8 @@ from turbollm.engine.model_runner import ModelRunner
 from turbollm.engine.runner_output import ModelRunnerOutput
 from turbollm.engine.scheduler_output import SchedulerOutput
 from turbollm.models.forward_batch import LayerHooks
-from turbollm.quantization.base import set_qmatmul
+from turbollm.kernels.forms import resolve_form
+from turbollm.quantization.base import set_kernel_form, set_qmatmul
 
 
 class Worker:
@@ -51,6 +52,7 @@ class Worker:
         self.rank = rank
         self.loaded = loaded or load_model(args.model, quantization=args.quantization)
         set_qmatmul(self.loaded.model, args.qmatmul)  # this engine's numerics, on its model only
+        set_kernel_form(self.loaded.model, resolve_form(args.kernel_form))  # and its kernels' weight layout
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config, layers), args.block_size,
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                                   seed=args.seed if sampler_seed is None else sampler_seed, hooks=hooks,

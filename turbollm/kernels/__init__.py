@@ -240,12 +240,28 @@ def _build(name: str, sources: list[Path], headers: list[Path], cflags: list[str
         return None
 
 
+#: x86-64 features every kernel form needs (x86-64-v3, the AVX2 form): the module is compiled for
+#: them, and the wider forms' translation units add their own (a target pragma), so that one build
+#: holds every form and picks one at run time from the CPU it runs on (`turbollm.kernels.forms`).
+BASE_X86_FEATURES = frozenset({"avx2", "fma", "f16c", "bmi2"})
+
+
+def arch_flags(flags: str | None = None) -> list[str]:
+    """The module's target: x86-64-v3 (the AVX2 form; the AVX-512 forms compile on top of it) on an
+    x86-64 CPU that has it, else the compiler's native target (another architecture, or an x86 CPU
+    without AVX2: the portable C++ paths)."""
+    have = set((flags if flags is not None else cpu_flags()).split())
+    if platform.machine() in ("x86_64", "AMD64") and BASE_X86_FEATURES <= have:
+        return ["-march=x86-64-v3", "-mtune=native"]
+    return ["-march=native"]
+
+
 def get_kernels():
     """The compiled kernel module, or None (reference paths are used instead)."""
     with _lock:
         if "module" not in _state:
             _state["module"] = _build("turbollm_kernels", sorted(CSRC.glob("*.cpp")), sorted(CSRC.glob("*.h")),
-                                      ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], "C++ kernels")
+                                      ["-O3", *arch_flags(), "-fopenmp", "-ffp-contract=off"], "C++ kernels")
         return _state["module"]
 
 

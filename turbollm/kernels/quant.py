@@ -145,10 +145,30 @@ def check_path(path: str) -> str:
     return path
 
 
-def _resolve_path(m: int, path: str | None) -> str:
+#: Type ids of the repacked layouts (kernels/forms.py, csrc/repacked.h): REPACKED_BASE + the GGML id (the
+#: avx512_vnni form), REPACKED_AMX_BASE + the GGML id (the amx form: the same bytes, AMX tiles for whole
+#: tiles of 16 rows).
+REPACKED_BASE = 2000
+REPACKED_AMX_BASE = 3000
+
+
+def is_repacked(qtype: int) -> bool:
+    """Whether ``qtype`` names a repacked layout (the avx512_vnni or amx form's interleaved rows)."""
+    return int(qtype) >= REPACKED_BASE
+
+
+def ggml_base_type(qtype: int) -> int:
+    """The GGML type of a repacked layout (other ids unchanged)."""
+    return int(qtype) % 1000 if is_repacked(qtype) else int(qtype)
+
+
+def _resolve_path(m: int, path: str | None, any_rows: bool = False) -> str:
     """The path ("q8", "q8x2", "q16" or "dequant") a call of m tokens takes (q16: q8x2 for the types
-    without 16-bit kernels)."""
+    without 16-bit kernels). ``any_rows``: a repacked weight, whose tile kernels take any number of
+    rows at one numerics: "auto" is q8x2 and "fast" q8 whatever m (q16 has no tile form: q8x2)."""
     path = path or DEFAULT_PATH
+    if any_rows:
+        return {"auto": "q8x2", "fast": "q8", "q16": "q8x2"}.get(path, path)
     if path == "auto":
         return "q16" if m <= Q8X2_MAX_TOKENS else "dequant"
     if path == "fast":
@@ -158,10 +178,45 @@ def _resolve_path(m: int, path: str | None) -> str:
     return path
 
 
-def q8_levels(m: int, path: str | None = None) -> int | None:
+def q8_levels(m: int, path: str | None = None, any_rows: bool = False) -> int | None:
     """The C++ ``levels`` of the path a call of m tokens takes: 1 (q8), 2 (q8x2), 16 (q16: 2 for a
-    type without 16-bit kernels, as ``levels_for`` says), None (dequant)."""
-    return _LEVELS.get(_resolve_path(m, path))
+    type without 16-bit kernels, as ``levels_for`` says), None (dequant). ``any_rows``: every
+    quantized weight is repacked (`_resolve_path`)."""
+    return _LEVELS.get(_resolve_path(m, path, any_rows))
+
+
+def repack(w: torch.Tensor, qtype: int, k: int, base: int = REPACKED_BASE) -> tuple[torch.Tensor, int]:
+    """A GGML weight in the repacked layout, as type ``base`` + its GGML id (REPACKED_BASE: the avx512_vnni
+    form, REPACKED_AMX_BASE: the amx form), when this CPU runs that form's kernels for the type and the
+    rows come in whole groups of 16; else unchanged."""
+    mod = _kernel_module()
+    if mod is None or is_repacked(qtype) or not hasattr(mod, "repackable") \
+            or not mod.repackable(int(qtype), int(base)) or w.shape[0] % 16:
+        return w, int(qtype)
+    return mod.repack(w.contiguous(), int(qtype), k), int(base) + int(qtype)
+
+
+def unrepack(w: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, int]:
+    """A weight back in its GGML rows (repacked layouts only; others unchanged), with its GGML type."""
+    if not is_repacked(qtype):
+        return w, int(qtype)
+    base = ggml_base_type(qtype)
+    return _kernel_module().unrepack(w, base, k), base
+
+
+def to_layout(w: torch.Tensor, qtype: int, k: int, base: int | None) -> tuple[torch.Tensor, int]:
+    """A GGML or repacked weight in the layout of repacked base ``base`` (None: the GGML rows): repacked,
+    unpacked, or only relabelled between two repacked forms (same bytes); unchanged where the type or the
+    rows do not allow it."""
+    if base is None:
+        return unrepack(w, qtype, k)
+    if is_repacked(qtype):
+        relabelled = int(base) + ggml_base_type(qtype)
+        mod = _kernel_module()
+        if relabelled == int(qtype) or not mod.repackable(ggml_base_type(qtype), int(base)):
+            return w, int(qtype)
+        return w, relabelled
+    return repack(w, qtype, k, base)
 
 
 def levels_for(qtype: int, levels: int) -> int:
@@ -177,7 +232,7 @@ def _run_linear(mod, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, scale
     if x2.dtype != torch.float32:
         x2 = x2.float()
     out2 = out if out is None or out.dim() == 2 else out.view(-1, n)
-    chosen = _resolve_path(x2.shape[0], path)
+    chosen = _resolve_path(x2.shape[0], path, is_repacked(qtype))
     if chosen == "dequant":
         y = mod.linear_dequant(x2, w, qtype, k, scale, zero, group, out2, dequant_chunk_rows(n))
     else:
@@ -199,10 +254,11 @@ def _result(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def ggml_dequantize(w: torch.Tensor, qtype: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """All rows of a GGML-typed weight as float32 ``[N, K]``."""
+    """All rows of a GGML-typed weight (or a repacked one) as float32 ``[N, K]``."""
     mod = _kernels(qtype)
     if mod is not None and (out is None or out.dtype == torch.float32):
         return mod.dequant(w, int(qtype), k, None, None, 0, out)
+    w, qtype = unrepack(w, qtype, k)
     return dequantize(w, qtype, (w.shape[0], k), out=out)
 
 
@@ -229,7 +285,8 @@ def ggml_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, *, out: to
 
 
 def ggml_linear_ref(x: torch.Tensor, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Reference of ``ggml_linear``: decode, then fp32 matmul."""
+    """Reference of ``ggml_linear``: decode (a repacked weight from its GGML rows), then fp32 matmul."""
+    w, qtype = unrepack(w, qtype, k)
     return F.linear(x.float(), dequantize(w, qtype, (w.shape[0], k)))
 
 

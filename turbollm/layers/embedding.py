@@ -30,6 +30,10 @@ from turbollm.quantization.qtensor import QuantizedTensor, copy_checked, mark_gg
 class VocabEmbedding(nn.Module):
     """Rows of a ``[vocab, dim]`` table by token id (dense float32 or raw GGML blocks)."""
 
+    #: `quantization.base.set_kernel_form` holds a GGML table in a kernel form's layout (lookups decode
+    #: a repacked row from its GGML bytes: `ggml_embedding` through the kernels' `deq`)
+    vocab_table = True
+
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         tp = get_tp()

@@ -82,6 +82,12 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def set_form(self, layer: nn.Module, form: str | None) -> bool:
+        """Hold the layer's weight in the layout kernel form `form` multiplies (kernels/forms.py: the
+        avx512_vnni form repacks GGML blocks into interleaved rows; any other form, or None, keeps
+        or restores the GGML rows); whether anything changed. Default: one layout for every form."""
+        return False
+
     def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
         """How the fused decode step (engine/fused_step.py) multiplies by this layer, exactly as
         `apply` does for a few tokens on the q8 paths; None: the step is not available for it."""
@@ -141,6 +147,33 @@ def set_qmatmul(model: nn.Module, path: str | None) -> None:
         check_path(path)
     for m in model.modules():
         m.qmatmul = path
+
+
+def set_kernel_form(model: nn.Module, form: str | None) -> bool:
+    """Hold every quantized weight of `model` in the layout of kernel form `form` (kernels/forms.py; a
+    repacking form repacks or relabels, a form that does not repack, or None, restores the GGML rows): each linear method's `set_form`, and
+    the vocabulary tables (a tied LM head shares the embedding's parameter, repacked once). Bumps
+    the model's `weights_version` when anything changed (a fused step built before holds the old
+    tensors); whether anything did."""
+    from turbollm.kernels.forms import REPACKING_FORMS
+    from turbollm.kernels.quant import to_layout
+
+    changed = False
+    for layer in linear_layers(model):
+        changed |= layer.method.set_form(layer, form)
+    seen: set[int] = set()
+    for m in model.modules():
+        w = m.__dict__.get("_parameters", {}).get("weight")
+        qtype = getattr(w, "ggml_qtype", None)
+        if qtype is None or not getattr(m, "vocab_table", False) or id(w) in seen:
+            continue
+        seen.add(id(w))
+        data, new = to_layout(w.data, qtype, m.dim, REPACKING_FORMS.get(form))
+        if new != qtype:
+            w.data, w.ggml_qtype, changed = data, new, True
+    if changed and hasattr(model, "weights_version"):
+        model.weights_version += 1
+    return changed
 
 
 def qmatmul_of(module: nn.Module) -> str | None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from turbollm.errors import WeightLoadError
 from turbollm.kernels.dense import dense_linear
-from turbollm.kernels.quant import ggml_linear, kernel_supported
+from turbollm.kernels.quant import ggml_linear, kernel_supported, to_layout
 from turbollm.quantization.base import DENSE_PART, DecodeParts, LinearMethod, qmatmul_of, register_linear_method
 from turbollm.quantization.qtensor import GGML_F32, QuantizedTensor, ggml_type_name, mark_ggml
 
@@ -129,6 +129,26 @@ class GGUFLinearMethod(LinearMethod):
         if bias is not None:
             y += bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
+
+    def set_form(self, layer: nn.Module, form: str | None) -> bool:
+        """Repack each GGML part for a repacking form (avx512_vnni, amx: `kernels.quant.to_layout`, the types it
+        covers, rows in groups of 16), or restore the GGML rows for any other; the parameters keep their
+        identity."""
+        from turbollm.kernels.forms import REPACKING_FORMS
+
+        base = REPACKING_FORMS.get(form)
+        run, changed = [], False
+        for (qtype, p), part in zip(layer.weight_run, layer.weight_layout):
+            if qtype != GGML_F32:
+                data, new = to_layout(p.data, qtype, layer.in_features, base)
+                if new != qtype:
+                    p.data, p.ggml_qtype, qtype, changed = data, new, new, True
+            run.append((qtype, p))
+        if changed:
+            layer.weight_run = tuple(run)
+            layer.weight_layout = tuple(WeightPart(part.start, part.stop, qtype)
+                                        for part, (qtype, _) in zip(layer.weight_layout, run))
+        return changed
 
     def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
         parts = tuple((DENSE_PART if qtype == GGML_F32 else qtype, w) for qtype, w in layer.weight_run)

@@ -22,16 +22,19 @@ from typing import Callable
 import torch
 
 from turbollm.errors import ModelFormatError, WeightLoadError
+from turbollm.kernels.quant import ggml_base_type, is_repacked
 
 #: GGML type id of float32 (a dense fp32 part of a layer is labelled with it).
 GGML_F32 = 0
 
 
 def ggml_type_name(qtype: int) -> str:
-    """The GGML name of a type id (`Q8_0`), or the number for unknown ids."""
+    """The GGML name of a type id (`Q8_0`; `Q8_0/r16` in the repacked layout), or the number for unknown ids."""
     from gguf import GGMLQuantizationType
 
     try:
+        if is_repacked(qtype):
+            return GGMLQuantizationType(ggml_base_type(qtype)).name + "/r16"
         return GGMLQuantizationType(int(qtype)).name
     except ValueError:
         return str(int(qtype))

@@ -47,6 +47,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding", &embedding, "rows ids of a weight table as float32 [len(ids), K]", nogil);
   m.def("supported", &supported, "whether a type has kernels");
   m.def("supported16", &supported16, "whether a type has 16-bit activation (q16) kernels");
+  m.def("kernel_forms", &kernel_forms, "the kernel forms this build runs on this CPU, best last");
+  m.def("repackable", &repackable, "whether GGML type `qtype` has the repacked type base + qtype (2000: avx512_vnni, "
+        "3000: amx) with kernels this CPU runs", pybind11::arg("qtype"), pybind11::arg("base") = 2000);
+  m.def("repack", &repack, "a GGML weight [N, row_bytes] in its interleaved layout (type id + 2000)", nogil);
+  m.def("unrepack", &unrepack, "a repacked weight back in its GGML layout", nogil);
+  m.attr("repacked_base") = 2000;
+  m.attr("repacked_amx_base") = 3000;
+  m.def("peak_gops", &peak_gops, "G ops/s of one instruction form's register-only multiply-add loop on `threads` "
+        "threads (int8_vnni512, int8_avx2, bf16_avx512, fp32_avx512, fp32_avx2; 0: not on this CPU)", nogil);
 
   m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias): a pass over W for up to 4 rows of x at a time "
         "(up to 16 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),

@@ -46,6 +46,12 @@ torch::Tensor embedding(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor
 int64_t act_block(int64_t qtype);
 bool supported(int64_t qtype);
 bool supported16(int64_t qtype);
+// the kernel forms this build and CPU run ("avx2", "avx512_vnni"); repacked layouts (repacked.h)
+std::vector<std::string> kernel_forms();
+bool repackable(int64_t qtype, int64_t base);
+torch::Tensor repack(torch::Tensor w, int64_t qtype, int64_t K);
+torch::Tensor unrepack(torch::Tensor w, int64_t qtype, int64_t K);
+double peak_gops(const std::string& name, int64_t threads, double seconds);
 
 torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
 // rows of x up to which dense_linear takes its own kernel (beyond, at::linear does the product):

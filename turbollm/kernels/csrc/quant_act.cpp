@@ -152,4 +152,15 @@ void quantize_rows16(const float* x, int64_t K, int64_t block, int64_t m0, int64
   }
 }
 
+void offset_sums(const int8_t* q, int64_t R, int64_t K, int64_t sub, int64_t off, int32_t* init) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int8_t* row = q + r * K;
+    for (int64_t s = 0; s < K / sub; ++s) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < sub; ++i) sum += row[s * sub + i];
+      init[r * (K / sub) + s] = (int32_t)(-off * sum);
+    }
+  }
+}
+
 }  // namespace tq

@@ -36,6 +36,7 @@ struct QAct {
   const float* s32 = nullptr;     // block 32, and 16-bit activations of either block: [M, K / 32]
   const float* s16 = nullptr;     // the same: [M, K / 16]
   const int16_t* bs16 = nullptr;  // block 256: [M, K / 16]
+  const int32_t* init = nullptr;  // tile kernels of a type with an offset: [M, K / act_sub], -off * sum(q)
   int64_t K = 0;
   int64_t block = 32;
   inline const int8_t* qrow(int64_t m) const { return q + m * K; }
@@ -73,6 +74,14 @@ struct WView {
 using DotFn = void (*)(const WView& w, int64_t n, const QAct& a, int64_t m0, float* out, int64_t ostride);
 // Row n of w as K float32 values (bit-exact with the PyTorch decoders).
 using DeqFn = void (*)(const WView& w, int64_t n, float* out);
+// Repacked layouts (repacked.h): out[m * ldo + c] = dot(row c of the 16-row group at `group`,
+// activation row m0 + m) for m < MR (the template count), c < 16.
+using TileFn = void (*)(const uint8_t* group, int64_t K, const QAct& a, int64_t m0, float* out, int64_t ldo);
+// The amx form: `tiles` tiles of 16 activation rows from m0 against one group, `scratch` holding at least
+// amx_scratch_bytes(K) bytes (the group's codes as B tiles, its scales as fp32).
+using AmxFn = void (*)(const uint8_t* group, int64_t K, const QAct& a, int64_t m0, int64_t tiles, float* out,
+                       int64_t ldo, uint8_t* scratch);
+inline int64_t amx_scratch_bytes(int64_t K) { return K / 32 * (512 + 3 * 64); }
 
 struct TypeKernels {
   int block = 0;          // values per block
@@ -88,6 +97,14 @@ struct TypeKernels {
   // the column order).
   bool act16_even_odd = false;
   DeqFn deq = nullptr;
+  // The repacked layouts' tile kernels (tile[MR - 1] takes MR activation rows; null when the CPU
+  // cannot run them), the offset their integer sums take (QAct::init = -act_off * the sum of each
+  // act_sub inputs; 0: none) and the GGML type they were repacked from.
+  TileFn tile[kMaxT] = {};
+  AmxFn amx = nullptr;  // the amx form's type ids, where the CPU and the OS run AMX tiles
+  int act_off = 0;
+  int act_sub = 32;
+  int base = 0;
   // Tokens per call of the dot (sixteen = false) or dot16 kernels: the count of filled slots.
   int tokens(bool sixteen) const {
     const DotFn* f = sixteen ? dot16 : dot;
@@ -103,6 +120,7 @@ enum : int {
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kInt8 = 1000, kInt4 = 1001, kInt3 = 1002,
 };
+// (kRepacked + a GGML id, 2000..: the interleaved layouts of repacked.h)
 
 // The kernels of a type id, or nullptr. Each family file fills its types.
 const TypeKernels* find_kernels(int qtype);
@@ -111,8 +129,17 @@ void register_kquants(TypeKernels* table);  // quant_dot_kquants.cpp (Q4_K, Q5_K
 void register_kquants_low(TypeKernels* table);  // quant_dot_klow.cpp (Q2_K, Q3_K)
 void register_kquants16(TypeKernels* table);  // quant_dot_kquants16.cpp (Q4_K, Q5_K, Q6_K with 16-bit activations)
 void register_intq(TypeKernels* table);     // quant_dot_int.cpp (int8 per-channel, int4 / int3 group-wise)
+void register_repacked(TypeKernels* table);  // quant_repack.cpp (the repacked layouts: sizes, dequantization)
+namespace v512 {
+void register_vnni512(TypeKernels* table);  // qmm_vnni512.cpp (their AVX-512 VNNI tile kernels)
+}
+namespace amx {
+void register_amx(TypeKernels* table);      // qmm_amx.cpp (the amx form's group kernels)
+}
+bool cpu_has_vnni512();                     // quant_repack.cpp: AVX-512 F/BW/VL/DQ + VNNI, and the OS saves zmm state
+bool amx_ready();                           // qmm_amx.cpp: AMX-INT8 tiles, and the kernel's permission for them
 int table_index(int qtype);                 // slot of qtype in the table, or -1
-constexpr int kTableSize = 13;
+constexpr int kTableSize = 29;
 
 // quant_act.cpp: quantize rows [m0, m1) of x [M, K] in blocks of `block` (32 or 256). With
 // `residual`, row m becomes two rows of the output: 2m (x) and 2m + 1 (x minus the first's
@@ -127,6 +154,8 @@ void quantize_rows16(const float* x, int64_t K, int64_t block, int64_t m0, int64
 // quant_gemm.cpp: the threaded drivers (at::parallel_for over output rows).
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out, bool residual);
 void quantize_activations16(const float* x, int64_t M, int64_t K, int64_t block, const QActBuf& out);
+// init[r * (K / sub) + s] = -off * the sum of q over inputs [s sub, (s + 1) sub) of row r (R rows)
+void offset_sums(const int8_t* q, int64_t R, int64_t K, int64_t sub, int64_t off, int32_t* init);
 // out [M, N]; 16-bit activations (a.q16) take the type's dot16 kernels
 void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out);
 void dequant_rows(const TypeKernels& k, const WView& w, int64_t n0, int64_t n1, float* out);  // [n1 - n0, K]

@@ -5,10 +5,12 @@
 // streams its contiguous slice of the weight once per token chunk.
 //
 #include "quant_common.h"
+#include "repacked.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace tq {
 
@@ -27,6 +29,22 @@ int table_index(int qtype) {
     case kInt8: return 10;
     case kInt4: return 11;
     case kInt3: return 12;
+    case kRepacked + kQ4_0: return 13;
+    case kRepacked + kQ4_1: return 14;
+    case kRepacked + kQ5_0: return 15;
+    case kRepacked + kQ5_1: return 16;
+    case kRepacked + kQ8_0: return 17;
+    case kRepacked + kQ4_K: return 18;
+    case kRepacked + kQ5_K: return 19;
+    case kRepacked + kQ6_K: return 20;
+    case kRepackedAmx + kQ4_0: return 21;
+    case kRepackedAmx + kQ4_1: return 22;
+    case kRepackedAmx + kQ5_0: return 23;
+    case kRepackedAmx + kQ5_1: return 24;
+    case kRepackedAmx + kQ8_0: return 25;
+    case kRepackedAmx + kQ4_K: return 26;
+    case kRepackedAmx + kQ5_K: return 27;
+    case kRepackedAmx + kQ6_K: return 28;
     default: return -1;
   }
 }
@@ -39,6 +57,7 @@ const TypeKernels* find_kernels(int qtype) {
     register_kquants_low(t);
     register_kquants16(t);
     register_intq(t);
+    register_repacked(t);  // after the types it decodes through
     return t;
   }();
   const int i = table_index(qtype);
@@ -58,7 +77,38 @@ static int64_t row_grain(int64_t K, int64_t M) {
 constexpr int64_t kRowTileBytes = 96 << 10;
 constexpr int64_t kTokenChunk = 64;
 
+// Repacked layouts: each task takes a run of 16-row groups; within it, chunks of groups that fit in
+// L2 (kGroupChunkBytes) meet every tile of up to kMaxT activation rows in turn.
+constexpr int64_t kGroupChunkBytes = 256 << 10;
+
+static void qgemm_tiles(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out) {
+  const int64_t groups = N / kGroupRows, gbytes = kGroupRows * w.row_bytes;
+  const int64_t chunk = std::max<int64_t>(1, kGroupChunkBytes / gbytes);
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(1 << 16) / (kGroupRows * w.K * std::min<int64_t>(M, kMaxT)));
+  const int64_t amx_rows = k.amx ? M / kGroupRows * kGroupRows : 0;  // whole tiles of 16 rows: AMX
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    if (amx_rows) {
+      thread_local std::vector<uint8_t> scratch;
+      if ((int64_t)scratch.size() < amx_scratch_bytes(w.K)) scratch.resize(amx_scratch_bytes(w.K));
+      for (int64_t g = g0; g < g1; ++g)
+        k.amx(w.data + g * gbytes, w.K, a, 0, amx_rows / kGroupRows, out + g * kGroupRows, N, scratch.data());
+    }
+    for (int64_t gc = g0; gc < g1; gc += chunk) {
+      const int64_t ge = std::min(g1, gc + chunk);
+      for (int64_t m = amx_rows; m < M; m += kMaxT) {
+        const int64_t t = std::min<int64_t>(kMaxT, M - m);
+        const TileFn fn = k.tile[t - 1];
+        for (int64_t g = gc; g < ge; ++g) fn(w.data + g * gbytes, w.K, a, m, out + m * N + g * kGroupRows, N);
+      }
+    }
+  });
+}
+
 void qgemm(const TypeKernels& k, const WView& w, int64_t N, const QAct& a, int64_t M, float* out) {
+  if (k.tile[0]) {
+    qgemm_tiles(k, w, N, a, M, out);
+    return;
+  }
   const int64_t rt = std::max<int64_t>(1, kRowTileBytes / std::max<int64_t>(1, w.row_bytes));
   const int64_t tmax = k.tokens(a.q16 != nullptr);
   at::parallel_for(0, N, row_grain(w.K, M), [&](int64_t n0, int64_t n1) {

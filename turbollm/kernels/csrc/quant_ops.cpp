@@ -8,11 +8,15 @@
 #include <torch/extension.h>
 #include <ATen/ThreadLocalState.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
 #include "ops.h"
+#include "peak_loops.h"
 #include "quant_common.h"
+#include "repacked.h"
 
 namespace {
 
@@ -56,6 +60,8 @@ WView make_view(const torch::Tensor& w, int64_t qtype, int64_t K, const c10::opt
     TORCH_CHECK(w.scalar_type() == torch::kUInt8, "GGML weight must be uint8 [N, row_bytes]");
     v.row_bytes = K / k.block * k.bytes;
     TORCH_CHECK(w.size(1) == v.row_bytes, "weight rows hold ", w.size(1), " bytes, type needs ", v.row_bytes);
+    TORCH_CHECK(qtype < tq::kRepacked || N % tq::kGroupRows == 0, "a repacked weight has a multiple of ",
+                tq::kGroupRows, " rows, not ", N);
   }
   return v;
 }
@@ -91,6 +97,7 @@ struct ActScratch {
   std::vector<int16_t> q16;
   std::vector<float> d, s32, s16, y2;
   std::vector<int16_t> bs16;
+  std::vector<int32_t> init;
   tq::QAct quantize(const float* x, int64_t M, int64_t K, int64_t block, int64_t levels, bool even_odd) {
     auto grow = [](auto& v, int64_t n) { if ((int64_t)v.size() < n) v.resize(n); };
     const bool x16 = levels == 16;
@@ -124,6 +131,17 @@ struct ActScratch {
     a.q = buf.q; a.q16 = buf.q16; a.d = buf.d; a.s32 = buf.s32; a.s16 = buf.s16; a.bs16 = buf.bs16;
     a.K = K;
     a.block = block;
+    return a;
+  }
+  // The same for a type with tile kernels: int8 levels in blocks of 32, plus its offset sums.
+  tq::QAct quantize(const TypeKernels& k, const float* x, int64_t M, int64_t K, int64_t levels) {
+    tq::QAct a = quantize(x, M, K, 32, levels, false);
+    if (k.act_off) {
+      const int64_t R = M * levels;
+      if ((int64_t)init.size() < R * K / k.act_sub) init.resize(R * K / k.act_sub);
+      tq::offset_sums(a.q, R, K, k.act_sub, k.act_off, init.data());
+      a.init = init.data();
+    }
     return a;
   }
 };
@@ -179,15 +197,16 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t
                         c10::optional<torch::Tensor> out, int64_t levels) {
   TORCH_CHECK(levels == 1 || levels == 2 || levels == 16, "levels must be 1, 2 or 16");
   const TypeKernels& k = kernels_for(qtype);
-  TORCH_CHECK(k.dot[0] != nullptr, "no dot kernel for type ", qtype);
+  TORCH_CHECK(k.dot[0] != nullptr || k.tile[0] != nullptr, "no dot kernel for type ", qtype);
   TORCH_CHECK(levels != 16 || k.dot16[0] != nullptr, "no 16-bit activation kernel for type ", qtype);
   const WView v = make_view(w, qtype, K, scale, zero, group, k);
   x = check_x(x, K);
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = make_out(out, M, N);
   if (M == 0 || N == 0) return y;
-  const tq::QAct a = act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels,
-                                          levels == 16 ? k.act_even_odd || k.act16_even_odd : k.act_even_odd);
+  const tq::QAct a = k.tile[0] ? act_scratch.quantize(k, x.data_ptr<float>(), M, K, levels)
+                               : act_scratch.quantize(x.data_ptr<float>(), M, K, k.act_block, levels,
+                                                      levels == 16 ? k.act_even_odd || k.act16_even_odd : k.act_even_odd);
   if (levels != 2) {
     tq::qgemm(k, v, N, a, M, y.data_ptr<float>());
     return y;
@@ -264,7 +283,58 @@ int64_t act_block(int64_t qtype) { return kernels_for(qtype).act_block; }
 
 bool supported(int64_t qtype) {
   const TypeKernels* k = tq::find_kernels((int)qtype);
-  return k != nullptr && k->dot[0] != nullptr;
+  return k != nullptr && (k->dot[0] != nullptr || k->tile[0] != nullptr);
+}
+
+std::vector<std::string> kernel_forms() {
+  std::vector<std::string> forms;
+#if defined(__AVX2__)
+  forms.push_back("avx2");
+#endif
+  if (tq::cpu_has_vnni512()) forms.push_back("avx512_vnni");
+  if (tq::amx_ready()) forms.push_back("amx");
+  return forms;
+}
+
+// whether `qtype` (a GGML id) has the repacked type `base` + qtype (kRepacked: avx512_vnni, kRepackedAmx:
+// amx) with kernels this CPU runs
+bool repackable(int64_t qtype, int64_t base) {
+  if (qtype <= 0 || qtype >= tq::kRepacked || !tq::repackable((int)qtype)) return false;
+  const TypeKernels* k = tq::find_kernels((int)(base + qtype));
+  return k != nullptr && k->tile[0] != nullptr && (base != tq::kRepackedAmx || k->amx != nullptr);
+}
+
+torch::Tensor repack(torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype > 0 && qtype < tq::kRepacked && tq::repackable((int)qtype), "type ", qtype, " has no repacked layout");
+  const TypeKernels& k = kernels_for(qtype);
+  const WView v = make_view(w, qtype, K, c10::nullopt, c10::nullopt, 0, k);
+  const int64_t N = w.size(0);
+  TORCH_CHECK(N % tq::kGroupRows == 0, "repacking needs a multiple of ", tq::kGroupRows, " rows, not ", N);
+  auto out = torch::empty_like(w);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / tq::kGroupRows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t off = g * tq::kGroupRows * v.row_bytes;
+      tq::repack_group((int)qtype, v.data + off, v.row_bytes, K, dst + off);
+    }
+  });
+  return out;
+}
+
+torch::Tensor unrepack(torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype > 0 && qtype < tq::kRepacked && tq::repackable((int)qtype), "type ", qtype, " has no repacked layout");
+  const TypeKernels& k = kernels_for(qtype);
+  const WView v = make_view(w, qtype, K, c10::nullopt, c10::nullopt, 0, k);
+  const int64_t N = w.size(0);
+  TORCH_CHECK(N % tq::kGroupRows == 0, "a repacked weight has a multiple of ", tq::kGroupRows, " rows, not ", N);
+  auto out = torch::empty_like(w);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      tq::unrepack_row((int)qtype, v.data + (n / tq::kGroupRows) * tq::kGroupRows * v.row_bytes,
+                       (int)(n % tq::kGroupRows), v.row_bytes, K, dst + n * v.row_bytes);
+  });
+  return out;
 }
 
 bool supported16(int64_t qtype) {
@@ -272,3 +342,27 @@ bool supported16(int64_t qtype) {
   return k != nullptr && k->dot16[0] != nullptr;
 }
 
+
+// G operations (2 per multiply-add) per second of one instruction form's register-only loop run on
+// `threads` threads at once for about `seconds`; 0 when the CPU lacks the instructions.
+double peak_gops(const std::string& name, int64_t threads, double seconds) {
+  const tq::peak::Loop* loop = tq::peak::find(name.c_str());
+  TORCH_CHECK(loop != nullptr, "unknown peak loop ", name);
+  if (!tq::peak::runs(*loop)) return 0.0;
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  auto t0 = now();
+  volatile double sink = loop->run(1 << 16);
+  const double per_iter = std::chrono::duration<double>(now() - t0).count() / (1 << 16);
+  const int64_t n = std::max<int64_t>(1 << 16, (int64_t)(seconds / std::max(per_iter, 1e-12)));
+  std::atomic<int64_t> done{0};
+  t0 = now();
+  at::parallel_for(0, threads, 1, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      sink = loop->run(n);
+      done += 1;
+    }
+  });
+  const double dt = std::chrono::duration<double>(now() - t0).count();
+  (void)sink;
+  return 2.0 * loop->macs_per_iter * (double)n * (double)done.load() / dt / 1e9;
+}
