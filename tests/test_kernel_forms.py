@@ -209,3 +209,24 @@ def test_set_kernel_form_repacks_and_restores(tmp_path):
     after = dict(model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert not any(Q.is_repacked(getattr(p, "ggml_qtype", 0)) for p in model.parameters())
+
+
+@needs_kernels
+def test_bench_kernels_reports_every_runnable_form(tmp_path, capsys):
+    """`turbollm bench kernels` prints the ceilings and one row per form this CPU runs (no timing is judged)."""
+    import json
+
+    from turbollm.cli.main import main
+
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--types", "Q4_0", "--shapes", "576x1536", "--m", "1", "17", "--reps", "1",
+                 "--cold-mb", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "== ceilings (same threads) ==" in printed and "== kernels ==" in printed
+    rec = json.loads(out.read_text())
+    assert rec["peaks_gops"]["int8_avx2"] > 0 and rec["library_gops"]["fp32_linear"] > 0
+    forms = F.runnable_forms()
+    assert {r["form"] for r in rec["rows"]} == set(forms)
+    assert len(rec["rows"]) == 2 * len(forms)
+    repacked = {r["path"] for r in rec["rows"] if r["form"] != "avx2"}
+    assert repacked <= {"q8"}, repacked  # the repacked forms take one int8 level at every M under "fast"

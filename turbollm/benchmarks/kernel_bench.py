@@ -3,8 +3,9 @@ this CPU's measured ceilings, side by side in one run.
 
 Ceilings, measured first (same threads):
 - instruction peaks: a register-only loop of independent multiply-adds per instruction form (the
-  kernels' `peak_gops`: vpdpbusd zmm for int8 on AVX-512 VNNI, maddubs + madd for int8 on AVX2,
-  vdpbf16ps, fp32 FMA), what the arithmetic units do with no memory traffic at all;
+  kernels' `peak_gops`: AMX int8 tile products, vpdpbusd zmm for int8 on AVX-512 VNNI, maddubs + madd
+  for int8 on AVX2, vdpbf16ps, fp32 FMA), what the arithmetic units do with no memory traffic at all
+  (best of two half-second runs: the VM's clock moves);
 - library rates: PyTorch's int8 x int8 -> int32 `_int_mm`, bf16 and fp32 `linear` at 256 rows on the
   first shape (oneDNN / MKL: on CPUs with AMX tiles these use them, which our kernels do not);
 - read bandwidth: summing a buffer far larger than the caches.
@@ -26,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 #: the form whose instructions each form's kernels use for their integer products
-FORM_PEAK = {"avx2": "int8_avx2", "avx512_vnni": "int8_vnni512"}
-PEAK_LOOPS = ("int8_vnni512", "int8_avx2", "bf16_avx512", "fp32_avx512", "fp32_avx2")
+FORM_PEAK = {"avx2": "int8_avx2", "avx512_vnni": "int8_vnni512", "amx": "int8_amx"}
+PEAK_LOOPS = ("int8_amx", "int8_vnni512", "int8_avx2", "bf16_avx512", "fp32_avx512", "fp32_avx2")
 
 
 @dataclass
@@ -105,7 +106,7 @@ def run_kernel_bench(types: list[str], shapes: list[tuple[int, int]], ms: list[i
     from turbollm.benchmarks.physics import measure_read_bandwidth
     from turbollm.kernels import get_kernels
     from turbollm.kernels import quant as Q
-    from turbollm.kernels.forms import runnable_forms
+    from turbollm.kernels.forms import REPACKING_FORMS, runnable_forms
     from turbollm.kernels.random_weights import random_weight
 
     mod = get_kernels()
@@ -118,7 +119,7 @@ def run_kernel_bench(types: list[str], shapes: list[tuple[int, int]], ms: list[i
     runnable = runnable_forms()
     forms = [f for f in forms if f in runnable]
     res = KernelBenchResult(threads, cpu_name(), forms,
-                            {name: mod.peak_gops(name, threads, 0.3) for name in PEAK_LOOPS},
+                            {name: max(mod.peak_gops(name, threads, 0.5) for _ in range(2)) for name in PEAK_LOOPS},
                             library_rates(*shapes[0], reps), measure_read_bandwidth())
     if on_ceilings:
         on_ceilings(res)
@@ -131,8 +132,8 @@ def run_kernel_bench(types: list[str], shapes: list[tuple[int, int]], ms: list[i
             copies = max(1, min(64, (cold_mb << 20) // max(1, base.numel())))
             raw = [base] + [random_weight(qtype, n, k, g) for _ in range(copies - 1)]
             for form in forms:
-                if form == "avx512_vnni":
-                    packed = [Q.repack(w, int(qtype), k) for w in raw]
+                if form in REPACKING_FORMS:
+                    packed = [Q.repack(w, int(qtype), k, REPACKING_FORMS[form]) for w in raw]
                     if packed[0][1] == int(qtype):
                         continue  # this type has no repacked layout: it runs the avx2 form
                 else:

@@ -142,11 +142,13 @@ def _tail(text: str) -> str:
 
 def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: list[BenchRequest], threads: int,
                         max_num_seqs: int, kv_cache_gib: int, warmup: bool = True, seed: int = 0,
-                        timeout_s: float | None = None, extra_env: dict[str, str] | None = None) -> dict:
+                        timeout_s: float | None = None, extra_env: dict[str, str] | None = None,
+                        dtype: str = "float32") -> dict:
     """Run the requests through vLLM's offline `LLM.generate` in `python`; return its figures.
 
     Same prompt token ids, greedy, ignore_eos, every request generating exactly its
-    output_len tokens (checked here). vLLM runs in its default (compiled) mode in fp32;
+    output_len tokens (checked here). vLLM runs in its default (compiled) mode in `dtype` (float32; "auto"
+    is vLLM's own default: bfloat16 on a CPU with AVX512_BF16 or AMX);
     `max_model_len` is the workload's longest request, so the KV budget is not spent on the
     model's full context."""
     python = check_python(str(python))
@@ -155,7 +157,7 @@ def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: lis
         "model": str(Path(model_dir).resolve()),
         "prompt_token_ids": [list(r.prompt_token_ids) for r in requests],
         "output_lens": [r.output_len for r in requests],
-        "warmup": warmup, "seed": seed,
+        "warmup": warmup, "seed": seed, "dtype": dtype,
         "llm_kwargs": {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs},
     }
     env = dict(os.environ)
@@ -194,17 +196,17 @@ def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: lis
     return res
 
 
-def ratios(vllm_res: dict, turbo_fp32: dict, turbo_default: dict | None) -> dict:
-    """turbollm ÷ vLLM, output and total tok/s, for the fp32 folder run and the GGUF default run."""
+def ratios(vllm_res: dict, turbo_fp32: dict, turbo_default: dict | None, vllm_label: str = "vllm_fp32") -> dict:
+    """turbollm ÷ vLLM (run `vllm_label`), output and total tok/s, for the fp32 folder run and the default run."""
     def pair(ours: dict) -> dict:
         return {"output_tok_per_s": float(f"{ours['output_tok_per_s'] / vllm_res['output_tok_per_s']:.4g}"),
                 "total_tok_per_s": float(f"{ours['total_tok_per_s'] / vllm_res['total_tok_per_s']:.4g}")}
 
-    out = {"vllm_fp32_output_tok_per_s": vllm_res["output_tok_per_s"],
+    out = {f"{vllm_label}_output_tok_per_s": vllm_res["output_tok_per_s"],
            "turbollm_fp32_output_tok_per_s": turbo_fp32["output_tok_per_s"]}
     if turbo_default is not None:
         out["turbollm_default_output_tok_per_s"] = turbo_default["output_tok_per_s"]
-    out["turbollm_fp32_over_vllm_fp32"] = pair(turbo_fp32)
+    out[f"turbollm_fp32_over_{vllm_label}"] = pair(turbo_fp32)
     if turbo_default is not None:
-        out["turbollm_default_over_vllm_fp32"] = pair(turbo_default)
+        out[f"turbollm_default_over_{vllm_label}"] = pair(turbo_default)
     return out

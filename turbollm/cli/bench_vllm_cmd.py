@@ -17,7 +17,7 @@ from turbollm.cli.bench_perf_cmd import _check_workload, _kv_itemsize, _requests
 
 
 def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
-    """vLLM fp32, turbollm fp32 on the same folder and turbollm's default on the model, same requests."""
+    """vLLM (--vllm-dtype), turbollm fp32 on the same folder and turbollm's default on the model, same requests."""
     import torch
 
     from turbollm.benchmarks import throughput, vllm_backend as vb
@@ -68,16 +68,20 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
         print_block(key, results[key])
         del llm, engine
         gc.collect()
-    setting["vllm"] = {"python": str(python), "model": str(hf_dir), "weights_dtype": "float32 (dtype='float32')",
+    dtype = ns.vllm_dtype
+    label = "vllm_fp32" if dtype == "float32" else f"vllm_{dtype}"
+    setting["vllm"] = {"python": str(python), "model": str(hf_dir),
+                       "weights_dtype": f"float32 folder, dtype={dtype!r}" + (
+                           " (vLLM's default: bfloat16 on CPUs with AVX512_BF16 / AMX)" if dtype == "auto" else ""),
                        "kv_cache_space_GiB": kv_gib, "threads_bind": vb.cpu_bind(threads),
                        "mode": "default (compiled)", "max_num_seqs": ns.max_num_seqs}
-    print_block("setting: vllm_fp32", setting["vllm"])
+    print_block(f"setting: {label}", setting["vllm"])
     print("running vLLM in its interpreter (load, compile, warm-up, then the timed generate) ...", flush=True)
-    results["vllm_fp32"] = vb.run_vllm_throughput(python, hf_dir, requests, threads, ns.max_num_seqs, kv_gib,
-                                                  warmup=not ns.no_warmup, seed=ns.seed or 0)
-    print_block("vllm_fp32", results["vllm_fp32"])
-    results["comparison"] = vb.ratios(results["vllm_fp32"], results["turbollm_fp32"], results.get("turbollm_default"))
-    print_block("turbollm / vLLM (same requests and threads; vLLM fp32 on the fp32 folder)", results["comparison"])
+    results[label] = vb.run_vllm_throughput(python, hf_dir, requests, threads, ns.max_num_seqs, kv_gib,
+                                            warmup=not ns.no_warmup, seed=ns.seed or 0, dtype=dtype)
+    print_block(label, results[label])
+    results["comparison"] = vb.ratios(results[label], results["turbollm_fp32"], results.get("turbollm_default"), label)
+    print_block(f"turbollm / vLLM (same requests and threads; vLLM {dtype} on the fp32 folder)", results["comparison"])
     record = {"benchmark": "throughput", "setting": setting, "results": results}
     write_json(ns.json, record)
     return record

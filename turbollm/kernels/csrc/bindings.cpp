@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("repacked_base") = 2000;
   m.attr("repacked_amx_base") = 3000;
   m.def("peak_gops", &peak_gops, "G ops/s of one instruction form's register-only multiply-add loop on `threads` "
-        "threads (int8_vnni512, int8_avx2, bf16_avx512, fp32_avx512, fp32_avx2; 0: not on this CPU)", nogil);
+        "threads (int8_vnni512, int8_avx2, bf16_avx512, fp32_avx512, fp32_avx2, int8_amx; 0: not on this CPU)", nogil);
 
   m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias): a pass over W for up to 4 rows of x at a time "
         "(up to 16 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),

@@ -1,11 +1,16 @@
 // Instruction-rate ceilings for `turbollm bench kernels`: register-only loops of independent
 // multiply-adds (no memory traffic), one per instruction form, each compiled for its own target by a
-// function attribute. A loop of n iterations runs 12 chains x n instructions; ops = 2 x the MACs.
+// function attribute. A vector loop of n iterations runs 12 chains x n instructions, the AMX loop 4
+// tile products x n; ops = 2 x the MACs.
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
 
 #include "peak_loops.h"
+
+namespace tq {
+bool amx_ready();  // qmm_amx.cpp
+}
 
 namespace tq {
 namespace peak {
@@ -54,6 +59,32 @@ __attribute__((target("avx2,fma"))) double fp32_avx2(int64_t n) {
 
 #undef TQ_PEAK_LOOP
 
+// Four independent tile products per iteration (tiles 0-3 += 4/5 x 6/7, each 16 x 16 x 64 int8).
+__attribute__((target("amx-tile,amx-int8"))) double int8_amx(int64_t n) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // ldtilecfg reads cfg (GCC 12 would drop the stores)
+  _tile_loadconfig(&cfg);
+  alignas(64) static const int8_t ones[16 * 64] = {1};
+  alignas(64) int32_t out[16 * 16];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, ones, 64); _tile_loadd(5, ones, 64); _tile_loadd(6, ones, 64); _tile_loadd(7, ones, 64);
+  for (int64_t it = 0; it < n; ++it) {
+    _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7); _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
+
 const Loop* find(const char* name) {
   // MACs per instruction: vpdpbusd zmm 64; maddubs+madd+add ymm 32 (three instructions); vdpbf16ps
   // zmm 32; vfmadd zmm 16, ymm 8
@@ -63,6 +94,7 @@ const Loop* find(const char* name) {
       {"bf16_avx512", 32.0 * kChains, bf16_avx512, "avx512bf16"},
       {"fp32_avx512", 16.0 * kChains, fp32_avx512, "avx512f"},
       {"fp32_avx2", 8.0 * kChains, fp32_avx2, "avx2"},
+      {"int8_amx", 4.0 * 16 * 16 * 64, int8_amx, "amx"},
   };
   for (const Loop& l : loops)
     if (std::strcmp(l.name, name) == 0) return &l;
@@ -77,6 +109,7 @@ bool runs(const Loop& l) {
   if (std::strcmp(l.feature, "avx512bf16") == 0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(l.feature, "avx512f") == 0) return __builtin_cpu_supports("avx512f");
+  if (std::strcmp(l.feature, "amx") == 0) return amx_ready();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 

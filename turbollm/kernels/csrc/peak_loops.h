@@ -6,7 +6,7 @@ namespace tq {
 namespace peak {
 
 struct Loop {
-  const char* name;        // "int8_vnni512", "int8_avx2", "bf16_avx512", "fp32_avx512", "fp32_avx2"
+  const char* name;        // "int8_vnni512", "int8_avx2", "bf16_avx512", "fp32_avx512", "fp32_avx2", "int8_amx"
   double macs_per_iter;    // multiply-adds one iteration of the loop does
   double (*run)(int64_t);  // n iterations; returns a checksum (keeps the loop alive)
   const char* feature;     // what the CPU must have
