@@ -66,9 +66,10 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                    help="run every step through the PyTorch modules (default: decode steps run all layers in "
                         "one C++ call with the same kernels and the same results)")
     p.add_argument("--qmatmul", default=None, choices=list(QMATMUL_PATHS),
-                   help="quantized-matmul numerics: auto (default; 16-bit activations for small batches, "
-                        "dequantize + fp32 sgemm for large), fast (llama.cpp's 8-bit activations: faster decode, "
-                        "KL ~4e-3), or one path for every batch size (q8, q8x2, q16, dequant)")
+                   help="quantized-matmul numerics: auto (default; avx2 form: 16-bit activations for small batches, "
+                        "dequantize + fp32 sgemm for large; avx512_vnni / amx forms: two int8 levels at every size), "
+                        "fast (llama.cpp's one int8 level: faster, KL ~1e-3-4e-3), or one path for every batch "
+                        "size (q8, q8x2, q16, dequant)")
     p.add_argument("--kernel-form", default=None, choices=list(FORMS),
                    help="CPU kernel form: avx2, avx512_vnni (GGML weights repacked at load into interleaved rows, "
                         "one integer tile kernel for every batch size) or amx (the same, whole tiles of 16 rows "

@@ -91,9 +91,10 @@ class EngineArgs:
     # tokens run all layers in one C++ call with the same kernels (engine/fused_step.py; same
     # results, less Python)
     enforce_eager: bool = False
-    # quantized-matmul numerics (turbollm.kernels.quant): "auto" (None: the default; q16 for small
-    # batches, dequantize + sgemm above), "fast" (llama.cpp's q8 levels), or one path forced for every
-    # batch size ("q8", "q8x2", "q16", "dequant"). Applied to this engine's model only.
+    # quantized-matmul numerics (turbollm.kernels.quant): "auto" (None: the default; avx2 form: q16 for
+    # small batches, dequantize + sgemm above; repacked forms: q8x2 at every size), "fast" (llama.cpp's
+    # one q8 level), or one path forced for every batch size ("q8", "q8x2", "q16", "dequant"). Applied to
+    # this engine's model only.
     qmatmul: str | None = None
     # the CPU kernel form (turbollm.kernels.forms): "avx2", "avx512_vnni" (GGML weights repacked into
     # interleaved rows, one tile kernel for any batch size) or "amx" (the same, tiles of 16 rows on AMX);

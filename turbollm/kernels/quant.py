@@ -37,7 +37,10 @@ Four kernel paths compute a product:
   fp32 math, the faster path for many tokens (prefill).
 The default, ``auto``, takes q16 (q8x2 for types without 16-bit kernels) up to
 ``Q8X2_MAX_TOKENS`` tokens and dequant above; ``fast`` takes q8 up to ``Q8_MAX_TOKENS`` and
-dequant above (llama.cpp's accuracy, faster decode).
+dequant above (llama.cpp's accuracy, faster decode). A repacked weight (the avx512_vnni and amx
+kernel forms, `kernels/forms.py`; type ids from ``REPACKED_BASE``) has one tile kernel for every
+row count: ``auto`` is q8x2 and ``fast`` q8 at any M (q16 has no tile form: q8x2), so a row's
+product never depends on the rows beside it.
 Measured mean KL of the logits against the fp32 model on 3 parity prompts (~550 positions):
 q8 3.9e-3 (smollm2-135m Q4_1) and 9.1e-3 (gemma3-270m Q4_K_M); q8x2 4.9e-8 and 1.1e-7;
 dequant 0. ``path=`` picks the path (a call that names none takes ``DEFAULT_PATH``, "auto");
