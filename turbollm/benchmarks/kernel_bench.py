@@ -124,6 +124,7 @@ def run_kernel_bench(types: list[str], shapes: list[tuple[int, int]], ms: list[i
     if on_ceilings:
         on_ceilings(res)
     lib_int8 = res.library_gops.get("int8_int_mm") or math.nan
+    fp32_peak = max(res.peaks_gops.get("fp32_avx512", 0), res.peaks_gops.get("fp32_avx2", 0)) or math.nan
     g = torch.Generator().manual_seed(0)
     for tname in types:
         qtype = T[tname]
@@ -139,7 +140,6 @@ def run_kernel_bench(types: list[str], shapes: list[tuple[int, int]], ms: list[i
                 else:
                     packed = [(w, int(qtype)) for w in raw]
                 int8_peak = res.peaks_gops.get(FORM_PEAK[form]) or math.nan
-                fp32_peak = max(res.peaks_gops.get("fp32_avx512", 0), res.peaks_gops.get("fp32_avx2", 0)) or math.nan
                 for m in ms:
                     x = torch.randn(m, k, generator=g)
                     state = {"i": 0}
@@ -150,10 +150,7 @@ def run_kernel_bench(types: list[str], shapes: list[tuple[int, int]], ms: list[i
                         Q.ggml_linear(x, w, qt, k, path=path)
 
                     t = _timed(call, reps)
-                    qt = packed[0][1]
-                    chosen = Q._resolve_path(m, path, Q.is_repacked(qt))
-                    levels = Q.levels_for(qt, Q._LEVELS[chosen]) if chosen in Q._LEVELS else None
-                    label = {1: "q8", 2: "q8x2", 16: "q16"}.get(levels, chosen)
+                    label = Q.call_path(m, packed[0][1], path)
                     gops = 2 * m * n * k / t / 1e9
                     peak = fp32_peak if label == "dequant" else int8_peak  # dequant: fp32 sgemm
                     res.rows.append(KernelRow(form, tname, f"{k}->{n}", m, label, t * 1e3, gops,

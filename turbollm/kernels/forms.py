@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.quant import REPACKED_AMX_BASE, REPACKED_BASE
 
 #: the forms
 FORMS = ("avx2", "avx512_vnni", "amx")
@@ -37,8 +38,8 @@ PREFERRED = ("avx512_vnni", "avx2")
 FORM_ENV = "TURBOLLM_KERNEL_FORM"
 #: GGML types the avx512_vnni form repacks (ids of gguf.GGMLQuantizationType)
 REPACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-#: forms whose GGML weights are repacked, and the type-id base of their layouts (kernels.quant)
-REPACKING_FORMS = {"avx512_vnni": 2000, "amx": 3000}
+#: forms whose GGML weights are repacked, and the type-id base of their layouts
+REPACKING_FORMS = {"avx512_vnni": REPACKED_BASE, "amx": REPACKED_AMX_BASE}
 
 
 def runnable_forms() -> tuple[str, ...]:

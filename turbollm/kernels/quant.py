@@ -222,6 +222,13 @@ def to_layout(w: torch.Tensor, qtype: int, k: int, base: int | None) -> tuple[to
     return repack(w, qtype, k, base)
 
 
+def call_path(m: int, qtype: int, path: str | None = None) -> str:
+    """The path ("q8", "q8x2", "q16" or "dequant") a call of m tokens takes for a weight of ``qtype``: the
+    path `_resolve_path` picks, with q16 named q8x2 for the types without 16-bit kernels (`levels_for`)."""
+    chosen = _resolve_path(m, path, is_repacked(qtype))
+    return "q8x2" if chosen == "q16" and levels_for(qtype, 16) == 2 else chosen
+
+
 def levels_for(qtype: int, levels: int) -> int:
     """``levels`` as a weight of ``qtype`` takes them (the same rule as decode_step.cpp's)."""
     return 2 if levels == 16 and not kernel_supported16(qtype) else levels

@@ -132,14 +132,7 @@ void group_tiles(const uint8_t* grp, int64_t K, const QAct& a, int64_t m0, int64
 // The group kernels of the amx form's type ids (kRepackedAmx + a GGML id; their remainder rows take
 // the VNNI tiles register_vnni512 sets in the same slots).
 void register_amx(TypeKernels* table) {
-  table[table_index(kRepackedAmx + kQ4_0)].amx = group_tiles<Legacy<8, false, false, false>>;
-  table[table_index(kRepackedAmx + kQ4_1)].amx = group_tiles<Legacy<0, true, false, false>>;
-  table[table_index(kRepackedAmx + kQ5_0)].amx = group_tiles<Legacy<16, false, true, false>>;
-  table[table_index(kRepackedAmx + kQ5_1)].amx = group_tiles<Legacy<0, true, true, false>>;
-  table[table_index(kRepackedAmx + kQ8_0)].amx = group_tiles<Legacy<128, false, false, true>>;
-  table[table_index(kRepackedAmx + kQ4_K)].amx = group_tiles<K45<false>>;
-  table[table_index(kRepackedAmx + kQ5_K)].amx = group_tiles<K45<true>>;
-  table[table_index(kRepackedAmx + kQ6_K)].amx = group_tiles<Q6K>;
+  each_unit([&]<class D>(int ggml, D*) { table[table_index(kRepackedAmx + ggml)].amx = group_tiles<D>; });
 }
 
 }  // namespace amx

@@ -114,6 +114,20 @@ struct Q6K {
   inline __m512 minv(int) const { return _mm512_setzero_ps(); }
 };
 
+// Each repacked type's GGML id and unit descriptor: visit(ggml_id, (D*)nullptr) for every type, the one
+// list both forms register their kernels from.
+template <class Visit>
+inline void each_unit(Visit&& visit) {
+  visit(kQ4_0, static_cast<Legacy<8, false, false, false>*>(nullptr));
+  visit(kQ4_1, static_cast<Legacy<0, true, false, false>*>(nullptr));
+  visit(kQ5_0, static_cast<Legacy<16, false, true, false>*>(nullptr));
+  visit(kQ5_1, static_cast<Legacy<0, true, true, false>*>(nullptr));
+  visit(kQ8_0, static_cast<Legacy<128, false, false, true>*>(nullptr));
+  visit(kQ4_K, static_cast<K45<false>*>(nullptr));
+  visit(kQ5_K, static_cast<K45<true>*>(nullptr));
+  visit(kQ6_K, static_cast<Q6K*>(nullptr));
+}
+
 // The float steps every AVX-512 form takes per block, in this order, from the exact integer sums:
 // sub-block s adds float(isum) * (w_scale * d_x); a type with a min then adds (or, kMinNeg, subtracts)
 // w_min * s32_x. qmm_vnni512.cpp and qmm_amx.cpp both call these, so their rows are the same bits.

@@ -97,16 +97,8 @@ void fill(TypeKernels& k) {
 // avx512_vnni form's type ids and the amx form's (the same layouts; their whole tiles of 16 rows go to
 // qmm_amx.cpp, the rest to these).
 void register_vnni512(TypeKernels* table) {
-  for (int base : {kRepacked, kRepackedAmx}) {
-    fill<Legacy<8, false, false, false>>(table[table_index(base + kQ4_0)]);
-    fill<Legacy<0, true, false, false>>(table[table_index(base + kQ4_1)]);
-    fill<Legacy<16, false, true, false>>(table[table_index(base + kQ5_0)]);
-    fill<Legacy<0, true, true, false>>(table[table_index(base + kQ5_1)]);
-    fill<Legacy<128, false, false, true>>(table[table_index(base + kQ8_0)]);
-    fill<K45<false>>(table[table_index(base + kQ4_K)]);
-    fill<K45<true>>(table[table_index(base + kQ5_K)]);
-    fill<Q6K>(table[table_index(base + kQ6_K)]);
-  }
+  for (int base : {kRepacked, kRepackedAmx})
+    each_unit([&]<class D>(int ggml, D*) { fill<D>(table[table_index(base + ggml)]); });
 }
 
 }  // namespace v512

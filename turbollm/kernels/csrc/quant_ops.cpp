@@ -304,15 +304,20 @@ bool repackable(int64_t qtype, int64_t base) {
   return k != nullptr && k->tile[0] != nullptr && (base != tq::kRepackedAmx || k->amx != nullptr);
 }
 
-torch::Tensor repack(torch::Tensor w, int64_t qtype, int64_t K) {
+// The view of a GGML weight whose type has a repacked layout (w holds its rows in either layout: the
+// bytes per row are the same), checked for whole groups of 16 rows, and an output of its shape.
+static std::pair<WView, torch::Tensor> repack_io(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(qtype > 0 && qtype < tq::kRepacked && tq::repackable((int)qtype), "type ", qtype, " has no repacked layout");
-  const TypeKernels& k = kernels_for(qtype);
-  const WView v = make_view(w, qtype, K, c10::nullopt, c10::nullopt, 0, k);
-  const int64_t N = w.size(0);
-  TORCH_CHECK(N % tq::kGroupRows == 0, "repacking needs a multiple of ", tq::kGroupRows, " rows, not ", N);
-  auto out = torch::empty_like(w);
+  const WView v = make_view(w, qtype, K, c10::nullopt, c10::nullopt, 0, kernels_for(qtype));
+  TORCH_CHECK(w.size(0) % tq::kGroupRows == 0, "repacked layouts take a multiple of ", tq::kGroupRows,
+              " rows, not ", w.size(0));
+  return {v, torch::empty_like(w)};
+}
+
+torch::Tensor repack(torch::Tensor w, int64_t qtype, int64_t K) {
+  auto [v, out] = repack_io(w, qtype, K);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / tq::kGroupRows, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, w.size(0) / tq::kGroupRows, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t off = g * tq::kGroupRows * v.row_bytes;
       tq::repack_group((int)qtype, v.data + off, v.row_bytes, K, dst + off);
@@ -322,14 +327,9 @@ torch::Tensor repack(torch::Tensor w, int64_t qtype, int64_t K) {
 }
 
 torch::Tensor unrepack(torch::Tensor w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype > 0 && qtype < tq::kRepacked && tq::repackable((int)qtype), "type ", qtype, " has no repacked layout");
-  const TypeKernels& k = kernels_for(qtype);
-  const WView v = make_view(w, qtype, K, c10::nullopt, c10::nullopt, 0, k);
-  const int64_t N = w.size(0);
-  TORCH_CHECK(N % tq::kGroupRows == 0, "a repacked weight has a multiple of ", tq::kGroupRows, " rows, not ", N);
-  auto out = torch::empty_like(w);
+  auto [v, out] = repack_io(w, qtype, K);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, w.size(0), 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       tq::unrepack_row((int)qtype, v.data + (n / tq::kGroupRows) * tq::kGroupRows * v.row_bytes,
                        (int)(n % tq::kGroupRows), v.row_bytes, K, dst + n * v.row_bytes);

@@ -46,7 +46,6 @@ namespace tq {
 // the GGML type id (the amx form: the same bytes, whole tiles of 16 rows multiplied by AMX tiles).
 constexpr int kRepacked = 2000;
 constexpr int kRepackedAmx = 3000;
-inline int repacked_base_type(int qtype) { return qtype >= kRepacked ? qtype % 1000 : qtype; }
 constexpr int kGroupRows = 16;
 
 // Whether a GGML type has a repacked layout.
