@@ -10,7 +10,7 @@ PROMPT ?= The three most useful things to know about the Python programming lang
 MAX_TOKENS ?= 64
 PORT   ?= 8000
 
-.PHONY: run generate test install install-test clean models
+.PHONY: run generate test install install-test browser clean models
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,17 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) -e ".[test]"
 	@touch $@
+
+# The browser test (tests/test_webui_browser.py) drives Debian's chromium package through Playwright;
+# no browser is downloaded from anywhere else. Installed here when missing (root, or sudo without a
+# password); when it cannot be, the test fails and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser test"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+	  || { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } \
+	  || echo "could not install chromium (apt-get as root): tests/test_webui_browser.py will fail"; }
 
 # the openai client, for the Python example `make run` prints
 $(VENV)/.installed-client: $(VENV)/.installed
@@ -53,7 +64,7 @@ models: install
 # strict: a kernel build or model download that fails is a test failure with the reason, not a skip
 # (tests/conftest.py; `make test TURBOLLM_STRICT_TESTS=0` turns it off, CI=true turns it on anywhere)
 TURBOLLM_STRICT_TESTS ?= 1
-test: install-test
+test: install-test browser
 	TURBOLLM_STRICT_TESTS=$(TURBOLLM_STRICT_TESTS) $(PY) -m pytest -q -ra tests
 
 clean:

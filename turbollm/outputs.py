@@ -39,3 +39,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # set when the request failed: its outputs finish with "error"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field of the same name)

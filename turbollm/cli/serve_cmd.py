@@ -29,6 +29,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="request body limit (413 above)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page at / and the dashboard at /dashboard")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 
@@ -77,7 +79,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     aengine = AsyncLLMEngine(LLMEngine(engine_args_from(ns)))
     settings = ServerSettings(served_model_names=names, api_key=ns.api_key,
                               max_waiting_requests=ns.max_waiting_requests,
-                              max_request_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout)
+                              max_request_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,
+                              webui=ns.webui)
     app = build_app(aengine, settings)
     # uvicorn's own timeout is a backstop: at --shutdown-timeout the engine aborts what is
     # left, so every open stream ends with finish_reason "abort" and [DONE].

@@ -169,6 +169,7 @@ class LLMEngine:
         # steps handed to the executor and not yet collected, with when each went (pipeline stages: several)
         self.scheduler.max_steps_in_flight = self.executor.max_steps_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        self.step_counts = [0, 0, 0]  # steps collected, sequences and tokens they computed (stats())
 
     def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int, model_len: int) -> None:
         """A group that releases blocks must hold one sequence's window alone (else a long sequence would
@@ -270,8 +271,24 @@ class LLMEngine:
             "prefix_cache_queries": pool.stats.queries,
             "prefix_cache_hits": pool.stats.hits, "prefix_cache_evictions": pool.stats.evictions,
             "num_preemptions": sched.num_preemptions, "kv_evicted_blocks": pool.num_evicted_blocks,
+            "num_steps": self.step_counts[0], "num_step_seqs": self.step_counts[1],
+            "num_step_tokens": self.step_counts[2], "kv_groups": self._kv_group_stats(),
             **(self._spec_stats() if sched.proposer is not None else {}),
         }
+
+    def _kv_group_stats(self) -> list[dict[str, int | str]]:
+        """Per KV group: its kind (full, sliding, ...), layers, blocks used / total, K/V bytes in use, dtype;
+        a quantized format's float16 rings of recent tokens are one more entry (kind "recent")."""
+        pool, cfg = self.kv_manager, self.kv_config
+        out: list[dict[str, int | str]] = [
+            {"group": g, "kind": grp.spec.kind, "layers": len(grp.layer_ids), "blocks_used": p.num_used,
+             "blocks_total": cfg.blocks_of(g), "bytes_used": p.num_used * pool.block_bytes[g],
+             "dtype": cfg.format_name}
+            for g, (grp, p) in enumerate(zip(cfg.groups, pool.pools))]
+        if pool.ring_bytes:
+            out.append({"group": len(out), "kind": "recent", "layers": cfg.num_layers, "blocks_used": 0,
+                        "blocks_total": 0, "bytes_used": len(pool.holding) * pool.ring_bytes, "dtype": "float16"})
+        return out
 
     def _spec_stats(self) -> dict[str, int | list[int]]:
         sched = self.scheduler
@@ -314,6 +331,9 @@ class LLMEngine:
         finally:
             self.scheduler.returned(sched)
         self.scheduler.observe_step(sched, time.perf_counter() - t0)
+        self.step_counts[0] += 1
+        self.step_counts[1] += len(sched.scheduled_token_ids)
+        self.step_counts[2] += sum(map(len, sched.scheduled_token_ids.values()))
         update = self.scheduler.update_from_output(sched, out)
         return self.output_processor.process(update, touched)
 
@@ -324,3 +344,4 @@ class LLMEngine:
             req = self.requests.get(seq.request_id) if seq is not None else None
             if req is not None and req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+                req.num_cached_tokens = new.num_computed_tokens  # prompt tokens the prefix cache served

@@ -32,6 +32,7 @@ class RequestState:
     seqs: list[Sequence]
     arrival_time: float  # time.monotonic()
     first_scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     error: str | None = None  # why the request failed (its outputs finish with "error")
 
 
@@ -172,4 +173,4 @@ class OutputProcessor:
             self.requests.pop(req.request_id, None)
         metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, metrics,
-                             error=req.error)
+                             error=req.error, num_cached_tokens=req.num_cached_tokens)

@@ -8,8 +8,10 @@ must be one of the served names.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,14 +21,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from turbollm.entrypoints.async_engine import AsyncLLMEngine
+from turbollm.sampling_params import SamplingParams
 from turbollm.server.chat import create_chat_completion
 from turbollm.server.completions import create_completion
+from turbollm.server.dashboard import Dashboard
 from turbollm.server.errors import (APIError, bad_request, error_body, error_responses, install_error_handlers,
                                     use_error_schemas)
 from turbollm.server.metrics import CONTENT_TYPE, ServerMetrics
 from turbollm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
 from turbollm.server.serving import ServingContext, off_loop
+from turbollm.server.webui import WebUI
+
+logger = logging.getLogger("turbollm.serve")
 
 
 @dataclass
@@ -36,6 +43,7 @@ class ServerSettings:
     max_waiting_requests: int | None = None
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 10.0
+    webui: bool = True  # the chat page at / and the dashboard at /dashboard
 
 
 class _Guard:
@@ -100,18 +108,29 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     shutdown_timeout = float(getattr(s, "shutdown_timeout", 10.0))
     metrics = ServerMetrics(engine.engine, names[0])
     ctx = ServingContext(engine, names, metrics, getattr(s, "max_waiting_requests", None))
+    dashboard = Dashboard(engine.engine, metrics)
+    api_key = getattr(s, "api_key", None) or None
+    webui = WebUI() if getattr(s, "webui", True) else None
+    if webui is not None:
+        logger.info("chat page at / and dashboard at /dashboard: %d bytes (%d files, nothing from elsewhere)",
+                    webui.total_bytes, len(webui.files))
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        await engine.shutdown(drain=False, timeout=shutdown_timeout)
+        sampler = asyncio.ensure_future(dashboard.run())
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            await engine.shutdown(drain=False, timeout=shutdown_timeout)
 
     app = FastAPI(title="turbollm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.add_middleware(_Guard, max_bytes=int(getattr(s, "max_request_bytes", 4 << 20)),
-                       api_key=getattr(s, "api_key", None) or None)
+    app.add_middleware(_Guard, max_bytes=int(getattr(s, "max_request_bytes", 4 << 20)), api_key=api_key)
+    if webui is not None:
+        webui.mount(app)
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 413, 503))
     async def completions(req: CompletionRequest, request: Request):
@@ -140,6 +159,23 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    async def stats(since: float | None = None):
+        """The dashboard's JSON (server/dashboard.py): totals, the samples after `since` (unix seconds),
+        TTFT/ITL percentiles of the last minutes. Like /metrics, it needs no API key."""
+        return dashboard.snapshot(since)
+
+    @app.get("/props")
+    async def props():
+        """What a client page needs before its first request: the served names, the context length, whether
+        /v1 needs an API key, and the sampling settings a chat request gets when it leaves them out."""
+        d = SamplingParams()
+        return {"model": names[0], "served_model_names": names, "max_model_len": ctx.max_model_len,
+                "api_key_required": api_key is not None, "version": __version__,
+                "webui_bytes": webui.total_bytes if webui is not None else 0,
+                "defaults": {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "seed": d.seed,
+                             "max_tokens": None}}
 
     @app.post("/tokenize", responses=error_responses(400, 404, 413))
     async def tokenize(req: TokenizeRequest):

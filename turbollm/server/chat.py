@@ -56,7 +56,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                for c in sorted(out.outputs, key=lambda c: c.index)]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices,
-                         "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
+                         "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs),
+                                        out.num_cached_tokens)})
 
 
 async def _stream(ctx: ServingContext, slot: Slot, ids: list[int], params, rid: str, created: int, model: str,
@@ -64,7 +65,7 @@ async def _stream(ctx: ServingContext, slot: Slot, ids: list[int], params, rid: 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     stream = ctx.generate(ids, params, rid)
     tracker = DeltaTracker(params.stop_strings)
-    n_out = 0
+    n_out = cached = 0
     try:
         for i in range(n):
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -76,9 +77,9 @@ async def _stream(ctx: ServingContext, slot: Slot, ids: list[int], params, rid: 
                 yield sse({**head, "choices": [{"index": d.index, "delta": delta, "logprobs": lp,
                                                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
             if out.finished:
-                n_out = sum(len(c.token_ids) for c in out.outputs)
+                n_out, cached = sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(len(ids), n_out)})
+            yield sse({**head, "choices": [], "usage": usage(len(ids), n_out, cached)})
     except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
         yield sse(stream_error_body(e))
     finally:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from turbollm.server.dashboard import LatencyWindow
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 P = "turbollm:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -87,6 +89,12 @@ class ServerMetrics:
         self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", lab,
                                buckets=_LATENCY_BUCKETS, registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused with 503 (queue full).", lab, registry=r)
+        # for the dashboard (server/dashboard.py): tokens as they stream, finished requests, and the TTFT and
+        # inter-token latencies of the last minutes (the histograms above are since start, in fixed buckets)
+        self.tokens_streamed = 0
+        self.requests_finished = 0
+        self.recent_ttft = LatencyWindow()
+        self.recent_itl = LatencyWindow()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -106,8 +114,10 @@ class RequestTimer:
         if new <= 0:
             return
         name = self.m.model_name
+        self.m.tokens_streamed += new
         if self.last is None:
             self.m.ttft.labels(name).observe(now - self.arrival)
+            self.m.recent_ttft.add(now, now - self.arrival)
             sched = (out.metrics or {}).get("first_scheduled_time")
             self.m.queue.labels(name).observe(max(0.0, (sched if sched is not None else now) - self.arrival))
             new -= 1
@@ -115,10 +125,12 @@ class RequestTimer:
             per = (now - self.last) / new
             for _ in range(new):
                 self.m.itl.labels(name).observe(per)
+            self.m.recent_itl.add(now, per, new)
         self.last, self.tokens = now, n
 
     def on_finish(self, out, now: float) -> None:
         name = self.m.model_name
+        self.m.requests_finished += 1
         self.m.e2e.labels(name).observe(now - self.arrival)
         self.m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
         self.m.generation_tokens.labels(name).inc(sum(len(c.token_ids) for c in out.outputs))
