@@ -124,7 +124,8 @@ class Page:
         self.base = base
         self.blocked: list[str] = []
         self.errors: list[str] = []
-        self.ctx = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, accept_downloads=True)
+        self.ctx = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, accept_downloads=True,
+                                       permissions=["clipboard-read", "clipboard-write"])
         self.ctx.route("**/*", self._route)
         if key is not None:  # the page's own settings, as if the key had been typed once before
             self.ctx.add_init_script(f"if (!localStorage.getItem('{SETTINGS_KEY}')) "
@@ -448,6 +449,7 @@ def test_long_conversation_stays_responsive(ui, server):
     for i in range(100):
         msgs.append({"role": "user", "content": f"Note {i}: **fox**."})
         msgs.append({"role": "assistant", "content": f"`{i}`:\n- one"})
+    msgs[-1]["content"] = "Here:\n```python\nprint('fox')\n```"
     conv = {"id": "long", "title": "Two hundred messages", "system": "", "messages": msgs}
     p = ui().open()
     p.page.evaluate("([k, v]) => localStorage.setItem(k, v)", [CONV_KEY, json.dumps({"version": 1, "conversations": [conv]})])
@@ -455,6 +457,10 @@ def test_long_conversation_stays_responsive(ui, server):
     p.page.locator("body[data-ready='1']").wait_for()
     p.settings(temperature=0, max_tokens=64)
     assert p.page.locator(".message").count() == 200
+    copy = p.page.locator(".message.assistant").last.locator("[data-testid=copy-code]")  # code blocks copy
+    copy.click()
+    expect(copy).to_have_text("Copied")
+    assert p.page.evaluate("navigator.clipboard.readText()") == "print('fox')"
     p.page.evaluate("""() => {
       const f = window.__frames = {max: 0, n: 0, long: 0, on: true};
       let last = null;

@@ -131,3 +131,36 @@ def test_latency_window_percentiles_and_expiry():
     s = w.summary(112.0)  # the first 100 are older than the window
     assert s["count"] == 2 and s["p50_ms"] == pytest.approx(500)
     assert LatencyWindow().summary(0.0)["p90_ms"] is None
+
+
+def test_dashboard_with_speculation_and_quantized_kv(tiny):
+    """The dashboard's speculative-decoding figures and a quantized KV format's bytes by dtype (int8 blocks, float16
+    rings of recent tokens), read from an engine stepped here."""
+    from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine.llm_engine import LLMEngine
+    from turbollm.sampling_params import SamplingParams
+    from turbollm.server.dashboard import Dashboard
+    from turbollm.server.metrics import ServerMetrics
+
+    eng = LLMEngine(EngineArgs(model=str(tiny), threads=1, max_num_seqs=2, kv_cache_dtype="int8",
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    d = Dashboard(eng, ServerMetrics(eng, NAME))
+    d.sample(now=1000.0)
+    prompt = [1] + [5, 17, 29, 41] * 8  # a repeated pattern for the n-gram proposer to find
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    held = {}
+    while eng.has_unfinished_requests():
+        eng.step()
+        held = eng.stats()["kv_groups"] if eng.stats()["kv_blocks_used"] else held
+    s = d.sample(now=1002.0)
+    raw = eng.stats()
+    assert raw["spec_decode_num_drafts"] > 0
+    assert s["spec_acceptance_rate"] == raw["spec_decode_num_accepted_tokens"] / raw["spec_decode_num_draft_tokens"]
+    assert s["spec_mean_accepted_length"] == 1 + raw["spec_decode_num_accepted_tokens"] / raw["spec_decode_num_drafts"]
+    assert s["steps"] == raw["num_steps"] and s["steps_per_s"] == raw["num_steps"] / 2
+    assert s["tokens_per_step"] == raw["num_step_tokens"] / raw["num_steps"] and s["batch_size"] == 1.0
+    snap = d.snapshot()
+    assert snap["totals"]["speculative"] is True and snap["totals"]["spec_mean_accepted_length"] >= 1
+    assert [g["kind"] for g in held] == ["full_attention", "recent"]
+    assert held[0]["dtype"] == "int8" and held[0]["bytes_used"] > 0 and held[1]["dtype"] == "float16"
+    assert set(snap["totals"]["kv_bytes_by_dtype"]) == {"int8", "float16 (recent-token rings)"}
