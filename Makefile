@@ -1,6 +1,6 @@
 # turbollm — two commands on a fresh machine:
 #   make run    create .venv, install turbollm, pull the default model, generate, then serve it
-#   make test   install the test extras and run the test suite
+#   make test   install the test extras and run the test suite (`make test-fast`: the model-free tier alone)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -10,7 +10,7 @@ PROMPT ?= The three most useful things to know about the Python programming lang
 MAX_TOKENS ?= 64
 PORT   ?= 8000
 
-.PHONY: run generate test install install-test browser clean models
+.PHONY: run generate test test-fast install install-test browser clean models
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,8 +64,16 @@ models: install
 # strict: a kernel build or model download that fails is a test failure with the reason, not a skip
 # (tests/conftest.py; `make test TURBOLLM_STRICT_TESTS=0` turns it off, CI=true turns it on anywhere)
 TURBOLLM_STRICT_TESTS ?= 1
-test: install-test browser
-	TURBOLLM_STRICT_TESTS=$(TURBOLLM_STRICT_TESTS) $(PY) -m pytest -q -ra tests
+PYTEST = TURBOLLM_STRICT_TESTS=$(TURBOLLM_STRICT_TESTS) $(PY) -m pytest -q -ra
+# the model-free tier: block pool, scheduler, hand-offs, formats, kernels against references, the layering rules
+# (no catalog model; tests marked `model` or `slow` are the other tier)
+FAST = -m "not model and not slow"
+test-fast: install-test
+	$(PYTEST) $(FAST) tests
+
+# both tiers, the fast one first
+test: test-fast browser
+	$(PYTEST) -m "model or slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

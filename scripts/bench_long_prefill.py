@@ -48,7 +48,7 @@ def main() -> None:
         llm.eval(ids)
     else:
         from turbollm import SamplingParams
-        from turbollm.engine.engine_args import EngineArgs
+        from turbollm.engine_args import EngineArgs
         from turbollm.engine.llm_engine import LLMEngine
 
         eng = LLMEngine(EngineArgs(model=model, max_model_len=n + 64, kv_cache_memory=None, threads=2,

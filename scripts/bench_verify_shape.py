@@ -19,7 +19,7 @@ import time
 import torch
 
 from turbollm import SamplingParams
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.benchmarks.physics import physics_of_turbollm
 

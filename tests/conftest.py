@@ -107,7 +107,7 @@ def step_after_signal(engine, rank: int, sig: int, match: str) -> None:
     import time
 
     from turbollm import SamplingParams
-    from turbollm.engine.executor.base import WorkerDiedError
+    from turbollm.executor.base import WorkerDiedError
 
     os.kill(engine.executor._procs[rank].pid, sig)
     engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), "r")

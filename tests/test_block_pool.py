@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from turbollm.engine.kv_cache import BlockPool, hash_block
-from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.runner_output import ModelRunnerOutput
-from turbollm.engine.scheduler import Scheduler
-from turbollm.engine.sequence import Sequence
+from turbollm.core.block_pool import BlockPool, hash_block
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.handoff.runner_output import ModelRunnerOutput
+from turbollm.core.scheduler import Scheduler
+from turbollm.core.sequence import Sequence
 from turbollm.sampling_params import SamplingParams
 
 BS = 4
@@ -148,7 +148,7 @@ def test_preemption_frees_newest_and_requeues_it_first():
 
 
 def test_engine_stats_counters_shape():
-    from turbollm.engine.kv_cache import CacheStats
+    from turbollm.core.block_pool import CacheStats
 
     s = CacheStats(queries=10, hits=4)
     assert s.hit_rate == 0.4 and CacheStats().hit_rate == 0.0

@@ -19,7 +19,7 @@ from quant_tiny import one_thread_exact_matmul, tiny  # noqa: E402,F401 (fixture
 from turbollm.eval.branch_error import branch_errors, summarize  # noqa: E402
 from turbollm.eval.perplexity import EvalError  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
-from turbollm.models.layer_runner import get_adapter  # noqa: E402
+from turbollm.models.branches import get_adapter  # noqa: E402
 from turbollm.quantization.scale_folding import fold_scales  # noqa: E402
 
 WINDOWS = token_windows(4, 40)

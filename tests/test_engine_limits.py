@@ -11,10 +11,10 @@ import torch
 
 from quant_tiny import VOCAB, build_tiny
 from turbollm import LLM, SamplingParams
-from turbollm.engine import sampler as sampler_module
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.worker import sampler as sampler_module
+from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
-from turbollm.engine.sampler import Sampler
+from turbollm.worker.sampler import Sampler
 from turbollm.errors import InvalidRequestError
 
 pytest.importorskip("transformers")

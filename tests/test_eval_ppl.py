@@ -283,6 +283,7 @@ def test_cli_tiny_json(tiny_folder, tmp_path, capsys):
     assert "eval ppl" in capsys.readouterr().out
 
 
+@pytest.mark.model
 def test_cli_smollm2_smoke(tmp_path):
     from conftest import SHARED_DATA, catalog_model_path
 

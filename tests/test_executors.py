@@ -13,10 +13,12 @@ import pytest
 from conftest import catalog_model_path, step_after_signal
 from quant_tiny import build_tiny
 from turbollm import SamplingParams
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor.base import ExecutorError
+from turbollm.engine_args import EngineArgs
+from turbollm.executor.base import ExecutorError
 from turbollm.engine.llm_engine import LLMEngine
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
+
+pytestmark = pytest.mark.slow  # worker processes: the full tier (`make test`), not `make test-fast`
 
 pytest.importorskip("transformers")
 
@@ -93,6 +95,7 @@ def test_mp_equals_uni_with_preemption_and_prefix_hits(tiny):
         assert len(uni[f"r{i}"][0]) == (2 if i % 4 in (1, 3) else 1)
 
 
+@pytest.mark.model
 def test_mp_equals_uni_on_smollm2():
     """The same 16-request workload on a catalog model in its GGUF default (Q4_1 weights, fp16 K/V) with room
     for everything: the plain-data hand-off loses nothing on a real model either."""
@@ -124,7 +127,7 @@ def test_a_dead_worker_is_named_within_seconds(tiny):
 
 
 def test_a_worker_that_cannot_start_says_why(tiny, tmp_path):
-    from turbollm.engine.executor.multiproc import MultiprocExecutor
+    from turbollm.executor.multiproc import MultiprocExecutor
 
     engine = LLMEngine(EngineArgs(model=tiny, threads=1, distributed_executor_backend="mp"))
     engine.shutdown()

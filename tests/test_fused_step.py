@@ -1,4 +1,4 @@
-"""The fused decode step (engine/fused_step.py, kernels/csrc/decode_step.cpp) against the module path.
+"""The fused decode step (worker/fused_step.py, kernels/csrc/decode_step.cpp) against the module path.
 
 The step runs the module path's kernels on the same tensors in the same order, so it must give
 the same bits: greedy tokens and every logprob equal, at batch 1 and batched, for every storage

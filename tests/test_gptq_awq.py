@@ -31,7 +31,8 @@ from turbollm.eval.parity import score  # noqa: E402
 from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
-from turbollm.models.layer_runner import CalibrationRunner, get_adapter  # noqa: E402
+from turbollm.models.branches import get_adapter  # noqa: E402
+from turbollm.quantize.calibration_runner import CalibrationRunner  # noqa: E402
 from turbollm.quantization.checkpoint_layouts import get_layout  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import layer_codes  # noqa: E402
@@ -270,6 +271,7 @@ def test_cli_end_to_end_and_atomic_writes(tiny, tmp_path, monkeypatch):
     assert loaded.quantization == "gptq" and loaded.config == load_model(str(folder)).config
 
 
+@pytest.mark.model
 def test_gguf_source_tokenizer_and_config_round_trip(tmp_path):
     from conftest import catalog_model_path
     from turbollm.config import config_from_gguf, config_from_hf

@@ -1,4 +1,4 @@
-"""Rank 0's reading of the torchrun ranks' heartbeats (engine/executor/heartbeat.py), on a store and a clock
+"""Rank 0's reading of the torchrun ranks' heartbeats (executor/heartbeat.py), on a store and a clock
 of the test's: beats that stop name the rank; ranks still on the step that use no CPU time are stuck; a slow
 rank that computes, or one that has finished the step and waits, is not; after a collective failed, the rank
 whose beats stopped without its saying so is the one gone."""
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
-from turbollm.engine.executor import heartbeat
-from turbollm.engine.executor.heartbeat import HangWatch, Heartbeat, Whereabouts, whereabouts
+from turbollm.executor import heartbeat
+from turbollm.executor.heartbeat import HangWatch, Heartbeat, Whereabouts, whereabouts
 
 
 class Store:

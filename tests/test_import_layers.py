@@ -16,6 +16,16 @@ so it is a dependency all the same. Relative imports are resolved, and
   ``quantization/qtensor.py``) or by handing the object in (the int8 method's equalization gets
   the decoder's branches from the model it is given, ``CausalLM.residual_branches``, instead of
   importing ``models``).
+- The engine's folders along the process boundary import one way: ``engine/`` (the front door:
+  LLMEngine, output processing, detokenizing), ``core/`` (the scheduler side: scheduler,
+  sequences, block pool, KV manager, KV policies and eviction, KV sizing), ``handoff/`` (the
+  contract both sides import: scheduler and runner outputs, KV specs and configs), ``executor/``
+  and ``worker/`` (worker, model runner, fused step, pipeline stage, KV rings, sampler). The
+  scheduler side never imports the worker side, the executors or the front door; the worker side
+  and the executors never import the scheduler side or the front door; the contract imports none
+  of them. `PENDING_SIDE_EDGES` lists the edges that break a rule today, each with the part of
+  issue 47 that removes it: a new one fails, and so does a listed one that is gone.
+- No module cycle either (inside a package too), except `PENDING_MODULE_CYCLES`, kept the same way.
 Failures name the import lines that make the violating edge.
 """
 
@@ -34,8 +44,25 @@ OFFLINE = frozenset({"quantize", "eval", "benchmarks", "cli"})
 #: launchers allowed to import the offline tools (``python -m turbollm`` runs the CLI)
 ENTRY = frozenset({"__main__"})
 #: named in the rule; checked to exist so that a rename cannot leave the test checking nothing
-SERVING_PATH = ("layers", "quantization", "kernels", "models", "loader", "engine", "attention", "formats",
-                "tokenizer", "server", "entrypoints")
+SERVING_PATH = ("layers", "quantization", "kernels", "models", "loader", "engine", "core", "handoff", "executor",
+                "worker", "attention", "formats", "tokenizer", "server", "entrypoints")
+
+
+#: the engine's folders, and (importer, imported) pairs that break the one-way rule between them
+SIDES = ("engine", "core", "handoff", "executor", "worker")
+FORBIDDEN_SIDE_EDGES = frozenset({("core", "worker"), ("core", "executor"), ("core", "engine"),
+                                  ("worker", "core"), ("worker", "engine"), ("executor", "core"),
+                                  ("executor", "engine"), ("handoff", "core"), ("handoff", "worker"),
+                                  ("handoff", "executor"), ("handoff", "engine")})
+#: (importing module, imported module) that break it today
+PENDING_SIDE_EDGES = frozenset({
+    # item 2 (speculation on the worker side): the draft model's runner is built and its KV sized engine-side
+    ("turbollm.worker.draft_runner", "turbollm.core.kv_sizing"),
+})
+PENDING_MODULE_CYCLES = frozenset({
+    frozenset({"turbollm.distributed.pipeline_parallel", "turbollm.distributed.tensor_parallel"}),
+    frozenset({"turbollm.cli.bench_perf_cmd", "turbollm.cli.bench_vllm_cmd"}),
+})
 
 
 @dataclass(frozen=True)
@@ -267,3 +294,54 @@ def test_the_scanner_sees_lazy_relative_and_dynamic_imports(tmp_path):
     assert text.startswith("a -> b -> c -> a\n")
     assert "c -> a: fakepkg/c.py:8 imports fakepkg.a.x" in text
     assert shortest_path(edges, "d", {"c"}) is None and shortest_path(edges, "a", {"c"}) == ["a", "b", "c"]
+
+
+def side_violations(imports: list[Import]) -> dict[tuple[str, str], list[Import]]:
+    """(importing module, imported module) → the import lines, for every edge against FORBIDDEN_SIDE_EDGES."""
+    out: dict[tuple[str, str], list[Import]] = {}
+    for imp in imports:
+        if (node_of(imp.source), node_of(imp.target)) in FORBIDDEN_SIDE_EDGES:
+            out.setdefault((imp.source, imp.target), []).append(imp)
+    return out
+
+
+def test_the_engine_sides_import_one_way():
+    for side in SIDES:
+        assert (PACKAGE / side / "__init__.py").is_file(), f"the {side}/ folder is gone"
+    found = side_violations(module_imports(PACKAGE))
+    new = [f"{a} -> {b}: " + "; ".join(map(str, imps)) for (a, b), imps in sorted(found.items())
+           if (a, b) not in PENDING_SIDE_EDGES]
+    gone = sorted(PENDING_SIDE_EDGES - set(found))
+    assert not new, "imports against the one-way rule between the engine's folders:\n" + "\n".join(new)
+    assert not gone, f"pending edges that are gone (strike them from PENDING_SIDE_EDGES): {gone}"
+
+
+def test_no_module_cycle():
+    imports = module_imports(PACKAGE)
+    mods = {imp.source for imp in imports} | {imp.target for imp in imports}
+    edges: dict[str, dict[str, list[Import]]] = {}
+    for imp in imports:
+        if imp.source != imp.target:
+            edges.setdefault(imp.source, {}).setdefault(imp.target, []).append(imp)
+    found = {frozenset(comp): cycle for cycle, comp in find_cycles(mods, edges)}
+    new = [describe(cycle, edges) for comp, cycle in found.items() if comp not in PENDING_MODULE_CYCLES]
+    assert not new, "import cycles between modules (lazy imports included):\n" + "\n".join(new)
+    gone = [sorted(c) for c in PENDING_MODULE_CYCLES - set(found)]
+    assert not gone, f"cycles that are gone (strike them from PENDING_MODULE_CYCLES): {gone}"
+
+
+def test_the_side_rule_can_fail(tmp_path):
+    """A scheduler-side module importing the worker side lazily, and a contract module importing the scheduler
+    side, are both caught, with their lines."""
+    pkg = tmp_path / "turbollm"
+    files = {"__init__.py": "", "core/__init__.py": "", "worker/__init__.py": "", "handoff/__init__.py": "",
+             "core/sched.py": "def f():\n    from turbollm.worker.sampler import Sampler\n    return Sampler\n",
+             "worker/sampler.py": "from turbollm.handoff import out\nSampler = 1\n",
+             "handoff/out.py": "from turbollm.core import sched\n"}
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    found = side_violations(module_imports(pkg))
+    assert {k: [str(i) for i in v] for k, v in found.items()} == {
+        ("turbollm.core.sched", "turbollm.worker.sampler"): ["turbollm/core/sched.py:2 imports turbollm.worker.sampler"],
+        ("turbollm.handoff.out", "turbollm.core.sched"): ["turbollm/handoff/out.py:1 imports turbollm.core.sched"]}

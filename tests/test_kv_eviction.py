@@ -9,9 +9,9 @@ from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 from turbollm.attention.key_mass import KeyMass, accumulate_key_mass
 from turbollm.attention.metadata import AttentionMetadata
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.kv_eviction import SNAPKV_OBSERVE, SCORERS, choose_evictions
+from turbollm.engine_args import EngineArgs
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.kv_eviction import SNAPKV_OBSERVE, SCORERS, choose_evictions
 from turbollm.errors import InvalidRequestError
 
 
@@ -219,7 +219,7 @@ def test_siblings_and_concurrent_requests_through_the_server(tiny_llama):
     import re
 
     import httpx
-    from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine_args import EngineArgs
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
     from turbollm.server.app import ServerSettings, build_app
@@ -252,6 +252,7 @@ def test_siblings_and_concurrent_requests_through_the_server(tiny_llama):
     assert values["kv_cache_bytes_used"] == 0
 
 
+@pytest.mark.model
 def test_sliding_window_model_is_refused_before_loading(monkeypatch):
     """Gemma 3's sliding layers cannot take an eviction policy: the engine says so from the model's config,
     before any weights load."""

@@ -13,12 +13,13 @@ from quant_tiny import build_tiny, hf_logits
 from turbollm import LLM, SamplingParams
 from turbollm.attention.kv_storage import KVLayout
 from turbollm.config import FULL, SLIDING, ModelConfig
-from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool
-from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.kv_cache_spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
-from turbollm.engine.runner_output import ModelRunnerOutput, SampledToken
-from turbollm.engine.scheduler import Scheduler
-from turbollm.engine.sequence import Sequence
+from turbollm.core.block_pool import NULL_BLOCK, BlockPool
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.kv_sizing import kv_config_for_model
+from turbollm.handoff.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
+from turbollm.handoff.runner_output import ModelRunnerOutput, SampledToken
+from turbollm.core.scheduler import Scheduler
+from turbollm.core.sequence import Sequence
 from turbollm.sampling_params import SamplingParams as SP
 
 BS = 4
@@ -48,13 +49,13 @@ def test_groups_follow_the_layer_types():
                   intermediate_size=128, vocab_size=100, max_position_embeddings=4096, rms_norm_eps=1e-6,
                   rope_theta=10000.0, tie_word_embeddings=True)
     cfg = ModelConfig(**common, sliding_window=512, layer_types=[SLIDING] * 5 + [FULL])
-    kv = KVCacheConfig.for_model(cfg, 10, 16, torch.float16)
+    kv = kv_config_for_model(cfg, 10, 16, torch.float16)
     assert [type(g.spec) for g in kv.groups] == [KVCacheSpec, SlidingWindowSpec]
     assert kv.groups[0].layer_ids == (5,) and kv.groups[1].layer_ids == (0, 1, 2, 3, 4)
     assert kv.groups[1].spec.window == 512 and kv.layer_groups == [1, 1, 1, 1, 1, 0]
     assert kv.bytes_per_token == 6 * 2 * 32 * 2 and kv.num_tokens == 160
     assert kv.salt(0) != kv.salt(1)  # the group is in every prefix key
-    plain = KVCacheConfig.for_model(ModelConfig(**common, layer_types=[FULL] * 6), 10, 16)
+    plain = kv_config_for_model(ModelConfig(**common, layer_types=[FULL] * 6), 10, 16)
     assert len(plain.groups) == 1 and plain.layer_groups == [0] * 6
 
 

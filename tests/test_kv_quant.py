@@ -16,7 +16,7 @@ import torch
 from turbollm.attention.kv_quant import (RecentMeta, dequantize_k, dequantize_v, gather_reference, quantize_k,
                                          quantize_v, write_reference)
 from turbollm.attention.kv_storage import KVLayout, LayerKVCache
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
 
 
@@ -233,11 +233,11 @@ def test_engine_int8_close_to_float16_and_forks_preemption_prefix_hits(tiny_llam
 
 def small_pool_bytes(path, blocks: int) -> int:
     """The budget of `blocks` int8 blocks and the rings of 4 sequence slots."""
-    from turbollm.engine.kv_cache_spec import KVCacheConfig
+    from turbollm.core.kv_sizing import kv_config_for_model
     from turbollm.loader import describe_model
 
     cfg = describe_model(str(path)).config
-    kv = KVCacheConfig.for_model(cfg, blocks, 32, torch.int8, recent_window=32, max_num_seqs=4)
+    kv = kv_config_for_model(cfg, blocks, 32, torch.int8, recent_window=32, max_num_seqs=4)
     assert kv.recent_slots == 4
     return kv.total_bytes
 
@@ -265,15 +265,15 @@ def test_speculation_stays_token_exact(tiny_llama, quant):
 
 def test_a_budget_below_the_rings_is_refused():
     from turbollm.config import ModelConfig
-    from turbollm.engine.kv_cache_spec import KVCacheConfig
+    from turbollm.core.kv_sizing import kv_config_for_model, kv_config_from_budget
 
     cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                       intermediate_size=128, vocab_size=100, max_position_embeddings=4096, rms_norm_eps=1e-6,
                       rope_theta=10000.0, tie_word_embeddings=True)
-    ring = KVCacheConfig.for_model(cfg, 1, 32, torch.int8, recent_window=128, max_num_seqs=1).ring_bytes
+    ring = kv_config_for_model(cfg, 1, 32, torch.int8, recent_window=128, max_num_seqs=1).ring_bytes
     with pytest.raises(InvalidRequestError, match="rings of 64 sequence slots"):
-        KVCacheConfig.from_budget(cfg, 10 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
-    ok = KVCacheConfig.from_budget(cfg, 80 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
+        kv_config_from_budget(cfg, 10 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
+    ok = kv_config_from_budget(cfg, 80 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
     assert ok.total_bytes <= 80 * ring and ok.recent_slots == 64
 
 

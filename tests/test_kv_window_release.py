@@ -17,11 +17,12 @@ from test_kv_groups import _seq, _step
 from turbollm import LLM, SamplingParams
 from turbollm.attention.kv_storage import KVLayout
 from turbollm.config import FULL, SLIDING, ModelConfig
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool
-from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.kv_cache_spec import KVCacheConfig, SinkWindowSpec, SlidingWindowSpec, default_kv_budget
-from turbollm.engine.scheduler import Scheduler
+from turbollm.engine_args import EngineArgs
+from turbollm.core.block_pool import NULL_BLOCK, BlockPool
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.kv_sizing import default_kv_budget, kv_config_for_model, kv_config_from_budget
+from turbollm.handoff.kv_cache_spec import SinkWindowSpec, SlidingWindowSpec
+from turbollm.core.scheduler import Scheduler
 from turbollm.errors import InvalidRequestError
 
 BS = 4
@@ -39,14 +40,14 @@ def _manager(window: int, blocks: int, sliding_blocks: int | None = None) -> KVC
 
 def test_releasing_group_gets_its_cap_and_the_rest_goes_to_full_layers():
     cfg = ModelConfig(**GEMMA_LIKE)
-    spec = KVCacheConfig.for_model(cfg, 1, 16).groups[1].spec
+    spec = kv_config_for_model(cfg, 1, 16).groups[1].spec
     cap = spec.max_blocks(4, 512)
     assert cap == 4 * (32 + 3) + 32  # ceil(511 / 16) + 3 per sequence slot, plus a step's tokens
     budget = 64 << 20
-    kv = KVCacheConfig.from_budget(cfg, budget, 16, torch.float16, b"", "auto", 4, 512)
+    kv = kv_config_from_budget(cfg, budget, 16, torch.float16, b"", "auto", 4, 512)
     assert kv.blocks_of(1) == cap and kv.blocks_of(0) == kv.num_blocks > cap
     assert kv.total_bytes <= budget < kv.total_bytes + kv.block_bytes(0)  # the full group took what was left
-    equal = KVCacheConfig.from_budget(cfg, budget, 16, torch.float16, b"", "dense", 4, 512)
+    equal = kv_config_from_budget(cfg, budget, 16, torch.float16, b"", "dense", 4, 512)
     assert equal.group_blocks == () and equal.groups[1].spec.kind == "sliding_window(512), blocks kept"
     assert kv.num_tokens > 4 * equal.num_tokens  # 1 full layer of 6 takes nearly the whole budget
     # the default budget (max_num_seqs sequences of the whole context) shrinks the same way
@@ -54,7 +55,7 @@ def test_releasing_group_gets_its_cap_and_the_rest_goes_to_full_layers():
     auto = default_kv_budget(cfg, torch.float16, 16, 4096, 4, "auto", 512)
     assert dense == 6 * 4 * 4096 * 2 * 32 * 2 and auto == (4 * 4096 + 5 * cap * 16) * 2 * 32 * 2
     # a small budget: nothing capped below the equal split
-    small = KVCacheConfig.from_budget(cfg, 1 << 20, 16, torch.float16, b"", "auto", 4, 512)
+    small = kv_config_from_budget(cfg, 1 << 20, 16, torch.float16, b"", "auto", 4, 512)
     assert small.group_blocks == () and small.total_bytes <= 1 << 20
 
 
@@ -163,8 +164,8 @@ def test_cap_counts_the_blocks_of_rejected_drafts():
     spec = SlidingWindowSpec(KVLayout(torch.float32, BS, 1, 8), 8)
     assert spec.max_blocks(3, 16, spec_tokens=7) - spec.max_blocks(3, 16) == 3 * 2  # ceil(7 / 4) per slot
     cfg = ModelConfig(**GEMMA_LIKE)
-    plain = KVCacheConfig.from_budget(cfg, 64 << 20, 16, torch.float16, b"", "auto", 4, 512)
-    spec4 = KVCacheConfig.from_budget(cfg, 64 << 20, 16, torch.float16, b"", "auto", 4, 512, spec_tokens=4)
+    plain = kv_config_from_budget(cfg, 64 << 20, 16, torch.float16, b"", "auto", 4, 512)
+    spec4 = kv_config_from_budget(cfg, 64 << 20, 16, torch.float16, b"", "auto", 4, 512, spec_tokens=4)
     assert spec4.blocks_of(1) == plain.blocks_of(1) + 4
 
 

@@ -15,9 +15,11 @@ from quant_tiny import build_tiny
 from turbollm import LLM
 from turbollm.config import ModelConfig
 from turbollm.distributed.pipeline_parallel import partition_layers, split_microbatches
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.errors import InvalidRequestError
+
+pytestmark = pytest.mark.slow  # process groups: the full tier (`make test`), not `make test-fast`
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,7 @@ def test_tensor_and_pipeline_parallel_together(tiny, arch):
         llm.engine.shutdown()
 
 
+@pytest.mark.model
 def test_gguf_model_in_two_stages():
     """smollm2-135m (Q4_1 blocks, tied embedding): two stages give the one process's greedy tokens; the
     last stage alone holds the tied table (its LM head and the lookups it sends the first stage)."""
@@ -175,7 +178,7 @@ def test_microbatches_cut_sequences_by_tokens():
     (dict(pipeline_parallel_size=2, kv_policy="h2o", kv_budget=64), "does not take pipeline_parallel_size"),
 ])
 def test_impossible_pipelines_are_refused_before_any_rank_starts(tiny, kw, message, monkeypatch):
-    import turbollm.engine.executor.multiproc as multiproc
+    import turbollm.executor.multiproc as multiproc
 
     monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda *a, **k: pytest.fail("ranks started"))
     with pytest.raises(InvalidRequestError, match=message):

@@ -278,6 +278,7 @@ REAL_TENSORS = [
 ]
 
 
+@pytest.mark.model
 @needs_kernels
 @pytest.mark.parametrize(("model", "name"), REAL_TENSORS)
 def test_real_tensors(model, name):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turbollm.engine.sampler import Sampler, SamplingRow
+from turbollm.worker.sampler import Sampler, SamplingRow
 from turbollm.errors import InvalidRequestError
 from turbollm.sampling_params import SamplingParams
 
@@ -81,7 +81,7 @@ def test_batched_sampler_equals_the_row_by_row_reference():
     """The batched pass (one set of tensor ops for the whole batch) picks exactly the tokens of the plain
     per-row reference, given the same noise per row: 64 random rows over greedy and sampled settings,
     penalties, logit_bias, min_tokens masks and all filters."""
-    from turbollm.engine.sampler import sample_reference
+    from turbollm.worker.sampler import sample_reference
 
     g = torch.Generator().manual_seed(7)
     for trial in range(4):
@@ -107,7 +107,7 @@ def test_logprobs_are_of_the_raw_distribution():
 def test_rows_without_top_p_keep_every_token_beside_rows_with_it():
     """Before: with one row of the batch using top-p, a row without it went through the cumulative sum too,
     whose float32 rounding past 1.0 dropped hundreds of its tail tokens (a dependence on the batch)."""
-    from turbollm.engine.sampler import filtered_probs
+    from turbollm.worker.sampler import filtered_probs
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 49152, generator=g) * 4

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from turbollm.engine.kv_cache import BlockPool
-from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.runner_output import ModelRunnerOutput, SampledToken
-from turbollm.engine.scheduler import Scheduler
-from turbollm.engine.sequence import Sequence
+from turbollm.core.block_pool import BlockPool
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.handoff.runner_output import ModelRunnerOutput, SampledToken
+from turbollm.core.scheduler import Scheduler
+from turbollm.core.sequence import Sequence
 from turbollm.sampling_params import SamplingParams
 
 BS = 4

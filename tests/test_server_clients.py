@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from quant_tiny import build_tiny
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
 
 httpx = pytest.importorskip("httpx")

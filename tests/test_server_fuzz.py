@@ -19,13 +19,15 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from quant_tiny import build_tiny  # noqa: E402
 
+pytestmark = pytest.mark.slow  # hundreds of generated requests: the full tier (`make test`), not `make test-fast`
+
 FUZZ_EXAMPLES = 150
 NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def fuzz_app(tmp_path_factory):
-    from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine_args import EngineArgs
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
     from turbollm.server.app import ServerSettings, build_app

@@ -22,8 +22,10 @@ import torch
 
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
-from turbollm.engine import model_runner
+from turbollm.worker import model_runner
 from turbollm.spec_decode.proposers import Proposer
+
+pytestmark = pytest.mark.slow  # statistical runs of thousands of samples: the full tier (`make test`), not `make test-fast`
 
 SAMPLES = 20_000
 PROMPT = {"prompt_token_ids": [5, 17, 230, 41, 99, 17, 230, 8, 64, 301, 17, 230]}

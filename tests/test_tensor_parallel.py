@@ -13,11 +13,13 @@ import torch
 from conftest import catalog_model_path, check_equal, greedy_tokens, step_after_signal
 from quant_tiny import build_tiny
 from turbollm import LLM
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor.base import ExecutorError, WorkerDiedError
+from turbollm.engine_args import EngineArgs
+from turbollm.executor.base import ExecutorError, WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.errors import InvalidRequestError
+
+pytestmark = pytest.mark.slow  # process groups: the full tier (`make test`), not `make test-fast`
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,7 @@ def test_two_ranks_equal_one(tiny, arch):
             llm.engine.shutdown()
 
 
+@pytest.mark.model
 def test_gguf_model_split_in_three():
     """smollm2-135m (Q4_1 blocks of 32, 9 heads and 3 KV heads, vocabulary 49152) on 3 ranks: the same greedy
     tokens as one process."""
@@ -69,7 +72,7 @@ def test_gguf_model_split_in_three():
     (0, "tensor_parallel_size must be >= 1"),
 ])
 def test_impossible_splits_are_refused_before_any_rank_starts(tiny, size, message, monkeypatch):
-    import turbollm.engine.executor.multiproc as multiproc
+    import turbollm.executor.multiproc as multiproc
 
     monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda *a, **k: pytest.fail("ranks started"))
     with pytest.raises(InvalidRequestError, match=message):
@@ -90,7 +93,7 @@ def test_a_dead_rank_is_named_within_seconds(tiny, parallel, rank):
 def test_a_hung_rank_is_named_within_ten_seconds(tiny):
     """Rank 1 stopped (SIGSTOP): rank 0's all-reduce times out, and the engine names rank 1 as hung."""
     from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
-    from turbollm.engine.executor.multiproc import HANG_GRACE_S
+    from turbollm.executor.multiproc import HANG_GRACE_S
 
     assert STEP_TIMEOUT_S + HANG_GRACE_S < 10
     engine = LLMEngine(EngineArgs(model=str(tiny["llama"]), threads=2, tensor_parallel_size=2))

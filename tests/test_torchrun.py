@@ -18,6 +18,8 @@ import pytest
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # torchrun processes: the full tier (`make test`), not `make test-fast`
+
 PROMPTS = [[5, 9, 17, 33, 65], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [100, 50, 25]]
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -100,7 +102,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
     from turbollm import LLM, SamplingParams
-    from turbollm.engine.executor.base import WorkerDiedError
+    from turbollm.executor.base import WorkerDiedError
 
     if __name__ == "__main__":
         model, out, kw = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])

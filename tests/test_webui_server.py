@@ -98,7 +98,7 @@ def test_page_props_stats_and_cached_tokens(tiny):
 
 def test_no_webui(tiny):
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
-    from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine_args import EngineArgs
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.server.app import ServerSettings, build_app
 
@@ -136,7 +136,7 @@ def test_latency_window_percentiles_and_expiry():
 def test_dashboard_with_speculation_and_quantized_kv(tiny):
     """The dashboard's speculative-decoding figures and a quantized KV format's bytes by dtype (int8 blocks, float16
     rings of recent tokens), read from an engine stepped here."""
-    from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine_args import EngineArgs
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.sampling_params import SamplingParams
     from turbollm.server.dashboard import Dashboard

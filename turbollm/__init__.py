@@ -20,7 +20,7 @@ _EXPORTS = {
     "RequestOutput": "turbollm.outputs",
     "CompletionOutput": "turbollm.outputs",
     "Logprob": "turbollm.outputs",
-    "EngineArgs": "turbollm.engine.engine_args",
+    "EngineArgs": "turbollm.engine_args",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -1,5 +1,5 @@
 """Attention mass per cached block: what an attention-score eviction policy ranks blocks by
-(`engine/kv_eviction.py`).
+(`core/kv_eviction.py`).
 
 For each sequence of a step and each of its counted query rows (its last `rows` new tokens), the
 softmax attention probabilities of every query head over the keys that row sees are summed per

@@ -113,7 +113,7 @@ def run_setting(args, config: dict | None, prompts: list[str], batch: int, max_t
 
 def step_cost_profile(args) -> dict[int, float]:
     """The target's decode-shaped step time by rows (the adaptive planner's start-up profile), in ms."""
-    from turbollm.engine.kv_cache_manager import KVCacheManager
+    from turbollm.core.kv_cache_manager import KVCacheManager
     from turbollm.engine.step_profile import profile_step_costs
     from turbollm.spec_decode.adaptive import StepCosts
     from turbollm import LLM

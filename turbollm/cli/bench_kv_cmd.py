@@ -59,6 +59,6 @@ def run_bench_kv(ns: argparse.Namespace) -> int:
         print(f"    KV groups: {run.groups}")
     write_json(ns.json, {"setting": setting, "results": rows})
     # a policy that keeps what it attends to (auto, dense) must give the reference's tokens: else exit 1
-    from turbollm.engine.kv_policy import get_kv_policy
+    from turbollm.core.kv_policy import get_kv_policy
 
     return 0 if all(r.get("token_exact", True) for r in rows if get_kv_policy(r["policy"]).lossless) else 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from turbollm.engine.engine_args import KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
+from turbollm.engine_args import KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
 from turbollm.kernels.forms import FORMS
 
 

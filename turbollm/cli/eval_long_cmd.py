@@ -30,7 +30,7 @@ def add_passkey(esub: argparse._SubParsersAction) -> None:
 
 
 def add_kv_settings(p: argparse.ArgumentParser) -> None:
-    from turbollm.engine.engine_args import KV_CACHE_DTYPES
+    from turbollm.engine_args import KV_CACHE_DTYPES
 
     p.add_argument("--kv-policy", nargs="+", default=None, help="KV policies to run in turn (default: auto)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=None, choices=list(KV_CACHE_DTYPES),
@@ -77,7 +77,7 @@ class KVSetting:
 
     @property
     def sink_count(self) -> int:
-        from turbollm.engine.kv_policy import KVPolicyConfig
+        from turbollm.core.kv_policy import KVPolicyConfig
 
         return KVPolicyConfig(self.policy, self.sinks, self.window).sink_count
 
@@ -102,7 +102,7 @@ class KVSetting:
 
 def check_recent_window(ns: argparse.Namespace) -> None:
     """--kv-recent-window needs an int8/int4 --kv-cache-dtype and a value >= 0 (EvalError otherwise)."""
-    from turbollm.engine.engine_args import QUANTIZED_KV
+    from turbollm.engine_args import QUANTIZED_KV
     from turbollm.eval.perplexity import EvalError
 
     if ns.kv_recent_window is None:
@@ -117,8 +117,8 @@ def kv_setting(policy: str, dtype: str, sinks: int | None = None, window: int | 
                recent: int | None = None, budget: int | None = None) -> KVSetting:
     """`policy` and `dtype` with the options that apply to them (sinks, window, budget to a policy that
     takes them, the recent window to a quantized dtype); the others dropped."""
-    from turbollm.engine.engine_args import QUANTIZED_KV
-    from turbollm.engine.kv_policy import get_kv_policy
+    from turbollm.engine_args import QUANTIZED_KV
+    from turbollm.core.kv_policy import get_kv_policy
 
     takes = get_kv_policy(policy).options
     return KVSetting(policy, dtype, sinks if "sinks" in takes else None, window if "window" in takes else None,
@@ -127,7 +127,7 @@ def kv_setting(policy: str, dtype: str, sinks: int | None = None, window: int | 
 
 def settings(ns: argparse.Namespace) -> list[KVSetting]:
     """Each policy × dtype; a policy that takes sinks and a window (streaming) once per --attention-sinks."""
-    from turbollm.engine.kv_policy import get_kv_policy
+    from turbollm.core.kv_policy import get_kv_policy
 
     out = []
     for policy, dtype in itertools.product(ns.kv_policy or ["auto"], ns.kv_cache_dtype or ["auto"]):
@@ -152,8 +152,8 @@ def _llm(ns: argparse.Namespace, setting: KVSetting, max_model_len: int, shorter
 
 def _check_settings(ns: argparse.Namespace) -> None:
     """Every policy, its options and dtype checked before any model loads."""
-    from turbollm.engine.engine_args import EngineArgs
-    from turbollm.engine.kv_policy import get_kv_policy
+    from turbollm.engine_args import EngineArgs
+    from turbollm.core.kv_policy import get_kv_policy
     from turbollm.eval.perplexity import EvalError
 
     for name in ns.kv_policy or ["auto"]:

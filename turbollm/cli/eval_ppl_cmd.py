@@ -10,7 +10,7 @@ import datetime
 import time
 
 from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags, check_recent_window
-from turbollm.engine.engine_args import DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
+from turbollm.engine_args import DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
 from turbollm.kernels.forms import FORMS, resolve_form
 from turbollm.quantization.base import set_kernel_form
 

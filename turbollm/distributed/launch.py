@@ -9,13 +9,13 @@ Every node runs the same command under torchrun (`turbollm serve MODEL -tp 2`, o
 
 The process of global rank 0 is the engine (the server, the script) and also rank 0's worker; every
 other process, on reaching the engine's constructor, becomes a worker instead
-(`engine/executor/torchrun.py: run_worker`) and exits when the engine shuts down. All join torchrun's
+(`executor/torchrun.py: run_worker`) and exits when the engine shuts down. All join torchrun's
 rendezvous (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and a control group in which rank 0
 broadcasts, once, the engine's arguments, KV layout and sampler seed, then each step's
 `SchedulerOutput`; every rank answers each message through a gather to rank 0 (the step's output from
 the first rank of the last pipeline stage, or a traceback). A rank that dies ends the engine as soon as
 its connections close, one that hangs within 10 s (rank 0 reads every rank's heartbeat in torchrun's
-store meanwhile: engine/executor/heartbeat.py); the gathers' own `REPLY_TIMEOUT` is the last resort.
+store meanwhile: executor/heartbeat.py); the gathers' own `REPLY_TIMEOUT` is the last resort.
 Collectives and sends between ranks are the same as on one host, over gloo (no shared memory: the
 ranks may be on different hosts).
 """

@@ -28,7 +28,7 @@ JOIN_TIMEOUT_S = 300  # ranks joining the group (each spawned and importing torc
 # died or hung; theirs then fail, and the executor names the rank that did not answer (within 10 s).
 STEP_TIMEOUT_S = 6
 # ranks that wait for each other sleep: those still on a step that used less CPU time than this in STEP_TIMEOUT_S are
-# stuck (a rank computing uses ~30x that; engine/executor/multiproc.py `_Stall`, heartbeat.py `HangWatch`)
+# stuck (a rank computing uses ~30x that; executor/multiproc.py `_Stall`, heartbeat.py `HangWatch`)
 ACTIVE_CPU_S = 0.2
 
 _GROUP: list = [None]  # the step's process group (a shorter timeout than the joining one)

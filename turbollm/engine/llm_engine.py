@@ -38,18 +38,18 @@ import torch
 from turbollm.distributed.launch import torchrun_rank
 from turbollm.distributed.pipeline_parallel import partition_layers
 from turbollm.distributed.tensor_parallel import check_tensor_parallel
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor import get_executor_class
-from turbollm.engine.executor.torchrun import run_worker
-from turbollm.engine.kv_cache_manager import KVCacheManager
-from turbollm.engine.kv_cache_spec import KVCacheConfig, default_kv_budget
-from turbollm.engine.kv_policy import get_kv_policy
-from turbollm.engine.malloc_tuning import tune_malloc
+from turbollm.engine_args import EngineArgs
+from turbollm.executor import get_executor_class
+from turbollm.executor.torchrun import run_worker
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.kv_sizing import default_kv_budget, kv_config_for_model, kv_config_from_budget
+from turbollm.core.kv_policy import get_kv_policy
+from turbollm.worker.malloc_tuning import tune_malloc
 from turbollm.engine.output_processor import OutputProcessor, RequestState
-from turbollm.engine.scheduler import Scheduler
-from turbollm.engine.scheduler_output import SchedulerOutput
-from turbollm.engine.draft_runner import DraftRunner
-from turbollm.engine.sequence import Sequence
+from turbollm.core.scheduler import Scheduler
+from turbollm.handoff.scheduler_output import SchedulerOutput
+from turbollm.worker.draft_runner import DraftRunner
+from turbollm.core.sequence import Sequence
 from turbollm.engine.step_profile import profile_step_costs
 from turbollm.errors import InvalidRequestError
 from turbollm.kernels.forms import resolve_form
@@ -88,7 +88,7 @@ class LLMEngine:
         if draft:  # a draft that cannot serve fails before any load
             check_draft_model(spec.model, desc, spec.quantization)
         if kv_policy.evicts:  # a model the policy cannot take fails before loading
-            KVCacheConfig.for_model(desc.config, 1, args.block_size, policy=args.kv_policy_config())
+            kv_config_for_model(desc.config, 1, args.block_size, policy=args.kv_policy_config())
         if uni:
             if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
                 torch.set_num_threads(args.threads)
@@ -125,7 +125,7 @@ class LLMEngine:
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul, resolve_form(args.kernel_form))).encode()
-        self.kv_config = KVCacheConfig.from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
+        self.kv_config = kv_config_from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
                                                    policy, args.max_num_seqs, self._batched_tokens(args),
                                                    spec_tokens, args.kv_recent_window or 0)
         # an evicted table no longer matches its prompt's block keys: no prefix caching under eviction
@@ -139,7 +139,7 @@ class LLMEngine:
                     self.kv_config.format_name, self.kv_config.describe(),
                     "on" if caching else f"off: kv_policy {policy.name!r} evicts" if kv_policy.evicts else "off")
         if self.kv_config.recent_slots and held is not None:
-            float16 = KVCacheConfig.for_model(kv_model, 1, args.block_size, torch.float16).bytes_per_token
+            float16 = kv_config_for_model(kv_model, 1, args.block_size, torch.float16).bytes_per_token
             logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "
                         "the tokens float16 K/V would hold in the same budget", args.kv_cache_dtype,
                         self.kv_config.bytes_per_token, args.kv_recent_window, self.kv_config.recent_slots,

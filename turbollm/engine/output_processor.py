@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass
 
 from turbollm.engine.detokenizer import IncrementalDetokenizer
-from turbollm.engine.runner_output import PromptLogprobs, SampledToken
-from turbollm.engine.scheduler import Scheduler, SchedulerUpdate, SeqUpdate
-from turbollm.engine.sequence import Sequence
+from turbollm.handoff.runner_output import PromptLogprobs, SampledToken
+from turbollm.core.scheduler import Scheduler, SchedulerUpdate, SeqUpdate
+from turbollm.core.sequence import Sequence
 from turbollm.outputs import CompletionOutput, Logprob, RequestOutput
 from turbollm.sampling_params import SamplingParams
 

@@ -36,8 +36,8 @@ import threading
 import uuid
 from typing import Any
 
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.executor.base import WorkerDiedError
+from turbollm.engine_args import EngineArgs
+from turbollm.executor.base import WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.entrypoints.request_stream import (AbortCommand, AddCommand, Mailbox, PromptType, RequestStream,
                                                  ShutdownCommand)

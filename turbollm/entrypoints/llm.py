@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from turbollm.engine.engine_args import EngineArgs
+from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.outputs import RequestOutput
 from turbollm.sampling_params import SamplingParams

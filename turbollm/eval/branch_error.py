@@ -1,7 +1,7 @@
 """Where a quantized model departs from its reference: the output error of every residual branch.
 
 For each decoder layer and each of its residual branches (attention, MLP; the `Branch` of
-`turbollm.models.layer_runner`), the candidate's branch and the reference's are run on the same
+`turbollm.models.branches`), the candidate's branch and the reference's are run on the same
 input, the **reference model's own residual stream** over some text, so an error is charged to the
 branch that makes it and not to the layers before it. With y the reference branch's output and ŷ
 the candidate's (after Gemma's post-branch norm: what is added to the stream), summed over tokens:
@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from turbollm.eval.perplexity import EvalError
-from turbollm.models.layer_runner import CalibrationRunner, get_adapter
+from turbollm.models.branches import get_adapter
+from turbollm.quantize.calibration_runner import CalibrationRunner
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def load_reference(loaded: LoadedModel):
 
 def run_parity(loaded: LoadedModel, prompts: dict[str, str], gen_tokens: int = 32, hf=None) -> ParityReport:
     """Compare turbollm with transformers on `prompts` (name → text); see the module docstring."""
-    from turbollm.engine.engine_args import EngineArgs
+    from turbollm.engine_args import EngineArgs
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.sampling_params import SamplingParams
 

@@ -27,7 +27,8 @@ from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPa
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
 from turbollm.models.forward_batch import ForwardBatch
-from turbollm.models.layer_runner import Branch, CalibrationRunner, get_adapter
+from turbollm.models.branches import Branch, get_adapter
+from turbollm.models.windows import WindowBatches
 from turbollm.quantization import LinearMethod, QuantizedTensor
 from turbollm.quantization.qtensor import as_dense, copy_checked
 
@@ -166,7 +167,7 @@ class CausalLM(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def residual_branches(self) -> list[Branch]:
-        """Every decoder layer's residual branches in order (`layer_runner.Branch`), for cross-layer
+        """Every decoder layer's residual branches in order (`models/branches.py: Branch`), for cross-layer
         transforms handed the model (the int8 method's channel equalization). Raises
         UnsupportedArchitectureError for an architecture without a branch adapter."""
         adapter = get_adapter(self.config.arch)
@@ -175,7 +176,7 @@ class CausalLM(nn.Module):
     def forward_windows(self, windows: torch.Tensor) -> torch.Tensor:
         """Hidden states of token windows ``[S, L]`` (each one causal sequence) on a scratch KV cache,
         without an engine: for passes that only watch the layers (calibration hooks)."""
-        return self(CalibrationRunner(self, windows, tokens_per_batch=windows.numel()).batches[0][1])
+        return self(WindowBatches(self, windows, tokens_per_batch=windows.numel()).batches[0][1])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], *, hf_layout: bool,
                      source: str = "checkpoint") -> None:

@@ -26,7 +26,7 @@ def _norm(cfg: ModelConfig) -> RMSNorm:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    fused_decode_kind = "sandwich"  # the runner's fused step (engine/fused_step.py) runs this block in C++
+    fused_decode_kind = "sandwich"  # the runner's fused step (worker/fused_step.py) runs this block in C++
 
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
         super().__init__()

@@ -19,7 +19,7 @@ from turbollm.quantization import LinearMethod
 
 
 class LlamaDecoderLayer(nn.Module):
-    fused_decode_kind = "pre_norm"  # the runner's fused step (engine/fused_step.py) runs this block in C++
+    fused_decode_kind = "pre_norm"  # the runner's fused step (worker/fused_step.py) runs this block in C++
 
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethod | None):
         super().__init__()

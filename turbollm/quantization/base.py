@@ -89,7 +89,7 @@ class LinearMethod:
         return False
 
     def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
-        """How the fused decode step (engine/fused_step.py) multiplies by this layer, exactly as
+        """How the fused decode step (worker/fused_step.py) multiplies by this layer, exactly as
         `apply` does for a few tokens on the q8 paths; None: the step is not available for it."""
         return None
 

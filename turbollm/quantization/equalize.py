@@ -34,7 +34,7 @@ includes ``c = 1``; the one with the least ``E`` is kept, so the estimate never 
 Searches run on the weights as loaded: scaling a branch's feeder rows (second side) does not
 change how those rows round (per-row steps), so the two sides of a branch are chosen
 independently and then both folded (`scale_folding.py`). The model describes its own branches
-(`CausalLM.residual_branches`, from the branch adapters of `models/layer_runner.py`, shared with the
+(`CausalLM.residual_branches`, from the branch adapters of `models/branches.py`, shared with the
 offline quantizers) and runs the synthetic sequence (`CalibrationRunner` behind
 `CausalLM.forward_windows`): this package sits below the models and imports none of them.
 Measured effect: docs/QUANTIZATION.md.

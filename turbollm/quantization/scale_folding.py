@@ -1,6 +1,6 @@
 """Folding column scales into a residual branch without changing its float function.
 
-A residual branch (``models/layer_runner.py: Branch``) reads ``norm(x)`` through its *first*
+A residual branch (``models/branches.py: Branch``) reads ``norm(x)`` through its *first*
 linear and feeds channels that its *feeder rows* produce linearly into its *second* linear.
 Scaling ``first``'s input columns by ``s1`` (and dividing the norm weight by it), and the feeder
 rows' channels by ``1 / s2`` (and ``second``'s matching input columns by ``s2``) leaves the
@@ -33,7 +33,7 @@ def reduce_group(col_stat: torch.Tensor, group: int, head_dim: int, how: str = "
 
 def fold_scales(br, s1: torch.Tensor, s2: torch.Tensor) -> None:
     """Fold column scales (AWQ's, or the int8 method's equalization) into the branch `br` (a
-    ``models.layer_runner.Branch``); the float function is unchanged (up to rounding).
+    ``models.branches.Branch``); the float function is unchanged (up to rounding).
 
     `s1` scales `first`'s input columns (divided out of the norm weight); `s2` scales the
     feeder rows' channels as `second` reads them (feeder rows and bias divided by `s2`,

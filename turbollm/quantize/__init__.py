@@ -6,7 +6,7 @@ the block encoders of ``turbollm.formats.ggml_quantizers``.
 
 Calibrated and round-to-nearest safetensors checkpoints (``--method gptq|awq|int4|int8``):
 ``runner`` (the command end to end) → ``methods`` (options and their checks) →
-``calibration`` (ShareGPT token windows) → ``pipeline`` + ``models.layer_runner`` (layer by layer,
+``calibration`` (ShareGPT token windows) → ``pipeline`` + ``quantize.calibration_runner`` (layer by layer,
 branch by branch) with ``gptq`` / ``awq`` / ``rtn`` → ``export_safetensors`` + ``hf_folder``
 (AutoGPTQ / AutoAWQ tensor layouts, config.json, tokenizer files, atomic folder writes).
 """

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from turbollm.models.layer_runner import Branch
+from turbollm.models.branches import Branch
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight
 from turbollm.quantize.pipeline import BranchAlgorithm
 

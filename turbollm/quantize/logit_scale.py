@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from turbollm.models.layer_runner import CalibrationRunner, spread_indices
+from turbollm.quantize.calibration_runner import CalibrationRunner, spread_indices
 
 FIT_WINDOWS = 8
 LOW, HIGH, GRID = 0.80, 1.20, 21  # β grid: 0.80, 0.82, ..., 1.20 (1.0 on it)

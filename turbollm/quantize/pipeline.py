@@ -1,6 +1,6 @@
 """Layer-by-layer offline quantization: the driver shared by GPTQ and AWQ.
 
-For each decoder layer, for each residual branch (attention, then MLP; see `models/layer_runner.py`):
+For each decoder layer, for each residual branch (attention, then MLP; see `models/branches.py`):
 
 1. every calibration batch: ``h = norm(x)`` → the algorithm observes `first`'s input;
    `first_ready` (GPTQ quantizes `first` here);
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from turbollm.layers.linear import LinearBase
-from turbollm.models.layer_runner import (Branch, CalibrationRunner, capture_input, get_adapter,
-                                          run_until_captured)
+from turbollm.models.branches import Branch, get_adapter
+from turbollm.quantize.calibration_runner import CalibrationRunner, capture_input, run_until_captured
 from turbollm.quantization.group_quant import QuantizedWeight
 
 STORE_BUDGET = 1536 << 20  # bytes of `second`'s inputs kept to skip recomputing a branch

@@ -1,6 +1,6 @@
 """Draft-model speculation: a smaller model with the target's tokenizer proposes the next tokens greedily.
 
-The draft runs in the engine's process (`engine/draft_runner.py`, handed in as
+The draft runs in the engine's process (`worker/draft_runner.py`, handed in as
 `ProposerContext.make_draft_runner`) with its own `ModelRunner` and its own paged K/V storage,
 allocated with the target pool's number of blocks and addressed through the target sequence's own
 block table (the same block ids: the scheduler allocates the blocks for the drafts' positions before
@@ -81,7 +81,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         if context.block_table is None or context.make_draft_runner is None:
             raise InvalidRequestError("speculative_config: a draft model runs inside an engine (no engine context)")
-        self.runner = context.make_draft_runner(config)  # engine/draft_runner.py: the model, its K/V
+        self.runner = context.make_draft_runner(config)  # worker/draft_runner.py: the model, its K/V
         self.block_table = context.block_table
         self.block_size = context.kv_config.block_size
         # per sequence: the tokens the draft computed (the K/V of all but the last are written), and its

@@ -24,7 +24,7 @@ class ProposerContext:
     args: Any = None  # EngineArgs
     kv_config: Any = None  # KVCacheConfig of the target
     block_table: Callable[[int], list[int]] | None = None  # seq_id -> its (group 0) block table, live
-    make_draft_runner: Callable[[SpeculativeConfig], Any] | None = None  # engine/draft_runner.py's DraftRunner.load
+    make_draft_runner: Callable[[SpeculativeConfig], Any] | None = None  # worker/draft_runner.py's DraftRunner.load
 
 
 class Proposer:

@@ -6,7 +6,7 @@
 // This object holds, per layer, the tensors and constants those calls would pass and runs the
 // same kernels (ops.h) on the same tensors in the same order, so its result is bit-identical to
 // the module path (tests/test_fused_step.py); only the interpreter between them is gone.
-// turbollm/engine/fused_step.py (the model runner's) builds it from a loaded model and its KV
+// turbollm/worker/fused_step.py (the model runner's) builds it from a loaded model and its KV
 // storage, and decides which steps take it.
 #include "ops.h"
 

@@ -1,4 +1,4 @@
-// Attention mass per block-table entry, for attention-score eviction (turbollm/engine/kv_eviction.py;
+// Attention mass per block-table entry, for attention-score eviction (turbollm/core/kv_eviction.py;
 // the PyTorch reference is turbollm/attention/key_mass.py, held equal by tests/test_kv_eviction.py).
 //
 // For sequence b, each counted row r (first_rows[b] <= r < query_start_loc[b + 1]) sees the keys

@@ -8,26 +8,20 @@ sees (`KVCacheSpec.first_needed_position`), the full-attention group keeps them 
 
 A releasing group never holds more than `SlidingWindowSpec.max_blocks` blocks (every sequence slot
 a window's worth, plus the step's new tokens), so its pool is capped there and the rest of the
-budget goes to the groups that keep everything (`KVCacheConfig.from_budget`): Gemma 3's KV at 4k
-context is about a quarter of all-full. The KV policy (`engine/kv_policy.py`) builds each group's
+budget goes to the groups that keep everything (`core/kv_sizing.py`): Gemma 3's KV at 4k
+context is about a quarter of all-full. The KV policy (`core/kv_policy.py`) builds each group's
 spec: "dense" keeps a sliding group's blocks too (the unreleased baseline).
 
-The spec is plain data: the engine sends it to the workers, which allocate each layer's
-`LayerKVCache` from it.
+The spec is plain data: the scheduler side sizes it (`core/kv_sizing.py`) and sends it to the workers, which
+allocate each layer's `LayerKVCache` from it (`worker/kv_allocation.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from turbollm.attention.kv_storage import KVLayout, LayerKVCache
-from turbollm.config import ModelConfig
-
-if TYPE_CHECKING:
-    from turbollm.engine.kv_policy import KVPolicyConfig
+from turbollm.attention.kv_storage import KVLayout
 
 
 @dataclass(frozen=True)
@@ -53,7 +47,7 @@ class KVCacheSpec:
     @property
     def score_rows(self) -> int:
         """How many of a step's last query rows per sequence count toward the attention scores of its
-        blocks (0: no scores; an eviction policy's `engine/kv_eviction.py`)."""
+        blocks (0: no scores; an eviction policy's `core/kv_eviction.py`)."""
         return 0
 
     def first_needed_position(self, num_computed: int) -> int:
@@ -234,86 +228,3 @@ class KVCacheConfig:
         return ", ".join(f"{g.spec.kind} × {len(g.layer_ids)} layers" +
                          (f" ({self.blocks_of(i)} blocks)" if self.blocks_of(i) != self.num_blocks else "")
                          for i, g in enumerate(self.groups))
-
-    @classmethod
-    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  model_salt: bytes = b"", policy: "str | KVPolicyConfig" = "auto", max_num_seqs: int | None = None,
-                  max_num_batched_tokens: int | None = None, spec_tokens: int = 0,
-                  recent_window: int = 0) -> "KVCacheConfig":
-        """The model's layers grouped by attention kind (full, or each sliding-window size), each group's
-        spec as the KV policy builds it. Given `max_num_seqs` and `max_num_batched_tokens`, a group that
-        releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`). A quantized
-        `dtype` (torch.int8: int8, torch.uint8: int4) keeps `recent_window` tokens per sequence in float16,
-        in one ring per sequence slot (`max_num_seqs` of them)."""
-        from turbollm.engine.kv_policy import KVPolicyConfig, get_kv_policy
-
-        options = policy if isinstance(policy, KVPolicyConfig) else KVPolicyConfig(policy)
-        make_spec = get_kv_policy(options.name).spec
-        layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim)
-        if layout.quant:
-            layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim, recent_window)
-        by_window: dict[int | None, list[int]] = {}
-        for i in range(cfg.num_layers):
-            by_window.setdefault(cfg.layer_window(i), []).append(i)
-        groups = tuple(KVCacheGroup(make_spec(layout, w, options), tuple(ids))
-                       for w, ids in sorted(by_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
-        num_blocks = max(1, int(num_blocks))
-        caps = _caps(groups, max_num_seqs, max_num_batched_tokens, spec_tokens)
-        counts = tuple(num_blocks if c is None else min(c, num_blocks) for c in caps)
-        return cls(num_blocks, block_size, groups, model_salt, counts if set(counts) != {num_blocks} else (),
-                   (max_num_seqs or 1) if layout.quant else 0)
-
-    @classmethod
-    def from_budget(cls, cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
-                    model_salt: bytes = b"", policy: "str | KVPolicyConfig" = "auto", max_num_seqs: int | None = None,
-                    max_num_batched_tokens: int | None = None, spec_tokens: int = 0,
-                    recent_window: int = 0) -> "KVCacheConfig":
-        """The most blocks for the groups that keep everything such that every group's blocks (and the
-        recent rings of a quantized format) fit `memory_bytes` (the capped groups taking their cap first)."""
-        def build(n: int) -> KVCacheConfig:
-            return cls.for_model(cfg, n, block_size, dtype, model_salt, policy, max_num_seqs, max_num_batched_tokens,
-                                 spec_tokens, recent_window)
-
-        probe = build(1)
-        if probe.total_bytes > memory_bytes:
-            from turbollm.errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                f"the KV-cache budget ({memory_bytes / (1 << 20):.1f} MiB) is smaller than one block per group plus "
-                f"the float16 rings of {probe.recent_slots} sequence slots ({probe.ring_bytes / (1 << 20):.2f} MiB each):"
-                f" raise kv_cache_memory, or lower max_num_seqs or kv_recent_window")
-        # no group can have more blocks than the budget buys of the cheapest one; bytes grow with n
-        lo, hi = 1, max(1, memory_bytes // min(probe.block_bytes(g) for g in range(len(probe.groups))))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if build(mid).total_bytes <= memory_bytes else (lo, mid - 1)
-        return build(lo)
-
-
-def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None, max_num_batched_tokens: int | None,
-          spec_tokens: int) -> list[int | None]:
-    if max_num_seqs is None or max_num_batched_tokens is None:
-        return [None] * len(groups)
-    return [g.spec.max_blocks(max_num_seqs, max_num_batched_tokens, spec_tokens) for g in groups]
-
-
-def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
-                      max_num_seqs: int, policy: "str | KVPolicyConfig" = "auto", max_num_batched_tokens: int | None = None,
-                      spec_tokens: int = 0, recent_window: int = 0) -> int:
-    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks; a group that
-    releases blocks no more than its cap): the most a default-sized cache can ever use, so a small
-    model with a short context is not given gigabytes."""
-    per_seq = -(-max_model_len // block_size)
-    return KVCacheConfig.for_model(cfg, per_seq * max_num_seqs, block_size, dtype, b"", policy, max_num_seqs,
-                                   max_num_batched_tokens, spec_tokens, recent_window).total_bytes
-
-
-def allocate_kv_storage(config: KVCacheConfig, layers: range | None = None) -> list[LayerKVCache | None]:
-    """Each layer's zeroed K/V storage, its group's blocks of its group's layout; with `layers` (a
-    pipeline stage's), those layers' only (None for the others)."""
-    out: list[LayerKVCache | None] = [None] * config.num_layers
-    for gi, g in enumerate(config.groups):
-        for layer in g.layer_ids:
-            if layers is None or layer in layers:
-                out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi), config.recent_slots)
-    return out

@@ -24,11 +24,11 @@ from turbollm.attention import AttentionBackend, AttentionMetadata
 from turbollm.attention.key_mass import KeyMass
 from turbollm.distributed import get_tp
 from turbollm.attention.kv_storage import LayerKVCache
-from turbollm.engine.fused_step import FusedDecodeStep
-from turbollm.engine.kv_recent import RecentRings
-from turbollm.engine.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
-from turbollm.engine.sampler import Sampler, SamplingRow, ranked_logprobs
-from turbollm.engine.scheduler_output import ForkData, NewRequestData, SchedulerOutput
+from turbollm.worker.fused_step import FusedDecodeStep
+from turbollm.worker.kv_rings import RecentRings
+from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
+from turbollm.worker.sampler import Sampler, SamplingRow, ranked_logprobs
+from turbollm.handoff.scheduler_output import ForkData, NewRequestData, SchedulerOutput
 from turbollm.models.common import CausalLM
 from turbollm.models.forward_batch import ForwardBatch, LayerHooks
 
@@ -41,10 +41,10 @@ class SeqState(SamplingRow):
     index: int
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int = 0
-    ring_slot: int = -1  # a quantized K/V format: its ring of recent tokens (engine/kv_recent.py)
+    ring_slot: int = -1  # a quantized K/V format: its ring of recent tokens (worker/kv_rings.py)
     kv_qlo: int = 0  # ... where its quantized K/V end
     ring_floor: int = 0  # ... and below which its ring holds nothing
-    evicted_blocks: int = 0  # attention-score eviction: blocks removed from its tables (engine/kv_eviction.py)
+    evicted_blocks: int = 0  # attention-score eviction: blocks removed from its tables (core/kv_eviction.py)
 
 
 def _generator(params, index: int) -> torch.Generator | None:
@@ -63,7 +63,7 @@ class ModelRunner:
         self.layers = layers if layers is not None else range(len(kv_caches))
         self.pipeline = None
         if layers is not None and len(layers) < len(kv_caches):
-            from turbollm.engine.pipeline_stage import PipelineStage
+            from turbollm.worker.pipeline_stage import PipelineStage
 
             self.pipeline = PipelineStage(self, microbatches)
         self.num_groups = max(self.layer_groups) + 1

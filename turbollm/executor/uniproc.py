@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from turbollm.engine.executor.base import Executor
-from turbollm.engine.runner_output import ModelRunnerOutput
-from turbollm.engine.scheduler_output import SchedulerOutput
-from turbollm.engine.worker import Worker
+from turbollm.executor.base import Executor
+from turbollm.handoff.runner_output import ModelRunnerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
+from turbollm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):

@@ -78,7 +78,7 @@ class EngineArgs:
     # int8 / int4 K/V: the newest tokens of each sequence kept in float16 (default 128), quantized as
     # they age out
     kv_recent_window: int | None = None
-    # which K/V each layer keeps (turbollm/engine/kv_policy.py): "auto" (sliding-window layers release
+    # which K/V each layer keeps (turbollm/core/kv_policy.py): "auto" (sliding-window layers release
     # the blocks their window passed) or "dense" (every layer keeps every block)
     kv_policy: str = "auto"
     # kv_policy "streaming": the first attention_sinks tokens (default 4; 0: window only) and the last
@@ -88,7 +88,7 @@ class EngineArgs:
     # kv_policy "h2o" / "snapkv": the tokens of K/V each sequence keeps (its least-attended blocks evicted)
     kv_budget: int | None = None
     # True: every step runs the layers as PyTorch modules; False: decode steps and steps of a few
-    # tokens run all layers in one C++ call with the same kernels (engine/fused_step.py; same
+    # tokens run all layers in one C++ call with the same kernels (worker/fused_step.py; same
     # results, less Python)
     enforce_eager: bool = False
     # quantized-matmul numerics (turbollm.kernels.quant): "auto" (None: the default; avx2 form: q16 for
@@ -170,7 +170,7 @@ class EngineArgs:
                                       "'uni' (the worker in this process), 'mp' (worker processes) or 'torchrun' "
                                       "(ranks torchrun started)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        from turbollm.engine.kv_policy import check_kv_policy, get_kv_policy
+        from turbollm.core.kv_policy import check_kv_policy, get_kv_policy
 
         check_kv_policy(self.kv_policy_config(), self.block_size)  # unknown names, stray or bad options
         if self.kv_policy == "streaming" and self.speculative_config is not None \
@@ -224,8 +224,8 @@ class EngineArgs:
                                       "yet (its sinks are read in float16 or float32 K/V only)")
 
     def kv_policy_config(self):
-        """The KV policy with its options (`engine/kv_policy.KVPolicyConfig`)."""
-        from turbollm.engine.kv_policy import KVPolicyConfig
+        """The KV policy with its options (`core/kv_policy.KVPolicyConfig`)."""
+        from turbollm.core.kv_policy import KVPolicyConfig
 
         return KVPolicyConfig(self.kv_policy, self.attention_sinks, self.kv_window, self.kv_budget)
 

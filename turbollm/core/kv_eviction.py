@@ -36,7 +36,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from turbollm.engine.kv_cache_spec import KVCacheSpec
+from turbollm.handoff.kv_cache_spec import KVCacheSpec
 
 SNAPKV_OBSERVE = 32  # SnapKV's observation window: the last 32 queries vote
 ALL_ROWS = 1 << 30  # a scorer that reads every query row of a step

@@ -15,8 +15,8 @@ import logging
 
 import torch
 
-from turbollm.engine.model_runner import ModelRunner, SeqState
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.worker.model_runner import ModelRunner, SeqState
+from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.sampling_params import SamplingParams
 
 logger = logging.getLogger("turbollm")
@@ -30,7 +30,8 @@ class DraftRunner:
     @classmethod
     def load(cls, config, args, kv_config) -> "DraftRunner":
         from turbollm.attention import get_attention_backend
-        from turbollm.engine.kv_cache_spec import KVCacheConfig, allocate_kv_storage
+        from turbollm.core.kv_sizing import kv_config_for_model  # engine-side today (issue 47 item 2)
+        from turbollm.worker.kv_allocation import allocate_kv_storage
         from turbollm.loader import load_model
         from turbollm.kernels.forms import resolve_form
         from turbollm.quantization.base import set_kernel_form, set_qmatmul
@@ -43,7 +44,7 @@ class DraftRunner:
         set_kernel_form(loaded.model, resolve_form(args.kernel_form))
         # the draft's K/V in the target's float dtype (float16 beside a quantized target format)
         dtype = kv_config.dtype if kv_config.dtype.is_floating_point else torch.float16
-        draft_kv = KVCacheConfig.for_model(loaded.config, kv_config.num_blocks, kv_config.block_size, dtype)
+        draft_kv = kv_config_for_model(loaded.config, kv_config.num_blocks, kv_config.block_size, dtype)
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), kv_config.block_size,

@@ -6,7 +6,7 @@ its tokens included); afterwards only what changed is sent (`CachedRequestData`:
 replaced, whether it resumes after a preemption). Every step lists the token ids each scheduled
 sequence computes (`scheduled_token_ids`: the next chunk of a prompt, the last sampled token, and
 later a speculative proposer's draft tokens after it), in batch order. Block ids are per KV-cache
-group (a tuple with one list per group, `engine/kv_cache_spec.py`); an entry `NULL_BLOCK` (-1) is
+group (a tuple with one list per group, `handoff/kv_cache_spec.py`); an entry `NULL_BLOCK` (-1) is
 a block a sliding-window group released, never read. Sequences are named by `seq_id`, an int
 unique within the engine: a request with n > 1 samples has n of them.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from turbollm.sampling_params import SamplingParams
 
 BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
+NULL_BLOCK = -1  # a released table entry (out of a sliding window): nothing is stored there
 
 
 @dataclass
@@ -47,7 +48,7 @@ class CachedRequestData:
     replaced_block_ids: tuple[list[tuple[int, int]], ...] = ()
     # attention-score eviction: table positions removed since the last step, deleted one after another
     # (every group's table) before new blocks are appended; the sequence's table then starts that many
-    # blocks later (`engine/kv_eviction.py`)
+    # blocks later (`core/kv_eviction.py`)
     evicted_positions: list[int] = field(default_factory=list)
 
 

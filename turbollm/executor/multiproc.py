@@ -40,9 +40,9 @@ from collections import deque
 
 from turbollm.distributed.shm_comm import ShmFiles
 from turbollm.distributed.tensor_parallel import ACTIVE_CPU_S, STEP_TIMEOUT_S
-from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
-from turbollm.engine.runner_output import ModelRunnerOutput
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.handoff.runner_output import ModelRunnerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.procfs import CLOCK_TICKS, cpu_ticks, proc_state
 
 logger = logging.getLogger("turbollm")
@@ -54,7 +54,7 @@ def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=N
     """The worker process: build the worker, then run steps until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from turbollm.engine.worker import Worker
+        from turbollm.worker.worker import Worker
 
         worker = Worker(args, kv_config, rank=rank, init_method=init_method, sampler_seed=sampler_seed,
                         shm_files=shm_files)

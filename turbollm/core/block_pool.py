@@ -22,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-NULL_BLOCK = -1  # a released table entry (out of a sliding window): nothing is stored there
+from turbollm.handoff.scheduler_output import NULL_BLOCK  # noqa: F401 - the pool's tables hold it
 
 
 def hash_block(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:

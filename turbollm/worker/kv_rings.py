@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from turbollm.attention.kv_quant import RecentMeta
 from turbollm.attention.kv_storage import LayerKVCache
-from turbollm.engine.kv_cache import NULL_BLOCK
+from turbollm.handoff.scheduler_output import NULL_BLOCK
 
 
 class RecentRings:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-from turbollm.engine.engine_args import EngineArgs
-from turbollm.engine.kv_cache_spec import KVCacheConfig
-from turbollm.engine.runner_output import ModelRunnerOutput
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.engine_args import EngineArgs
+from turbollm.handoff.kv_cache_spec import KVCacheConfig
+from turbollm.handoff.runner_output import ModelRunnerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
 
 
 class ExecutorError(RuntimeError):

@@ -1,6 +1,6 @@
 """KV policies: which K/V a layer group keeps, one registry entry each (`--kv-policy`).
 
-A policy builds the spec of each layer group (`engine/kv_cache_spec.py`) from the group's storage
+A policy builds the spec of each layer group (`handoff/kv_cache_spec.py`) from the group's storage
 layout, its attention window and the policy's options (`KVPolicyConfig`: sinks, window); the spec's
 rule (`first_needed_position`, `kept_blocks`, `max_blocks`, `attention`) is what the KV-cache
 manager, the pool sizing and the attention kernels follow, so a policy never threads a flag
@@ -14,7 +14,7 @@ through the core.
   last `window`, releasing the blocks between them (a model's own sliding layers keep their window,
   or the policy's when that is shorter), so a sequence of any length runs at flat memory and past
   the model's trained context; `sinks=0` is the window-only baseline.
-- "h2o" / "snapkv" (attention-score eviction, `engine/kv_eviction.py`): each sequence keeps at most
+- "h2o" / "snapkv" (attention-score eviction, `core/kv_eviction.py`): each sequence keeps at most
   `budget` tokens, its least-attended blocks released after each step (H2O: attention accumulated
   from every query; SnapKV: from the last 32 queries); full-attention models only.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from turbollm.attention.kv_storage import KVLayout
-from turbollm.engine.kv_cache_spec import DEFAULT_ATTENTION_SINKS, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
-from turbollm.engine.kv_eviction import SCORERS, EvictionSpec
+from turbollm.handoff.kv_cache_spec import DEFAULT_ATTENTION_SINKS, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
+from turbollm.core.kv_eviction import SCORERS, EvictionSpec
 from turbollm.errors import InvalidRequestError
 
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
-from turbollm.engine.executor.base import Executor, ExecutorError, WorkerDiedError
-from turbollm.engine.executor.heartbeat import POLL_S, HangWatch, Heartbeat, whereabouts
-from turbollm.engine.runner_output import ModelRunnerOutput
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.executor.heartbeat import POLL_S, HangWatch, Heartbeat, whereabouts
+from turbollm.handoff.runner_output import ModelRunnerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.log import init_logger
 from turbollm.procfs import threads_cpu_s
 
@@ -36,7 +36,7 @@ logger = init_logger()
 
 class TorchrunExecutor(Executor):
     def __init__(self, args, kv_config, loaded=None):
-        from turbollm.engine.worker import Worker
+        from turbollm.worker.worker import Worker
 
         super().__init__(args, kv_config, loaded)
         self._group = join_control_group()
@@ -252,7 +252,7 @@ class _RoundFailed(Exception):
 def run_worker() -> bool:
     """A rank > 0: build the worker from what rank 0 sends, then run its messages until told to stop;
     False when it could not start (rank 0 says why)."""
-    from turbollm.engine.worker import Worker
+    from turbollm.worker.worker import Worker
 
     group = join_control_group()
     rank = dist.get_rank()

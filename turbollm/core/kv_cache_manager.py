@@ -25,10 +25,10 @@ from __future__ import annotations
 import copy
 import hashlib
 
-from turbollm.engine.kv_cache import NULL_BLOCK, BlockPool, CacheStats, hash_block
-from turbollm.engine.kv_cache_spec import KVCacheConfig, KVCacheSpec
-from turbollm.engine.kv_eviction import SCORERS, EvictionSpec, choose_evictions
-from turbollm.engine.sequence import Sequence
+from turbollm.core.block_pool import NULL_BLOCK, BlockPool, CacheStats, hash_block
+from turbollm.handoff.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from turbollm.core.kv_eviction import SCORERS, EvictionSpec, choose_evictions
+from turbollm.core.sequence import Sequence
 
 
 def _digest(data: bytes) -> bytes:

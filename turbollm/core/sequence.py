@@ -51,7 +51,7 @@ class Sequence:
     # and how many entries of its block tables they hold
     known_to_workers: bool = False
     num_blocks_sent: int = 0
-    # attention-score eviction (engine/kv_eviction.py): table entries removed so far (its table then
+    # attention-score eviction (core/kv_eviction.py): table entries removed so far (its table then
     # starts at position evicted_blocks * block_size), the scorer's state, and the removed table positions
     # the workers have not heard of yet (in the order to apply them)
     evicted_blocks: int = 0

@@ -1,4 +1,4 @@
-"""Heartbeats of the ranks torchrun started (engine/executor/torchrun.py): how rank 0, on whatever host, tells
+"""Heartbeats of the ranks torchrun started (executor/torchrun.py): how rank 0, on whatever host, tells
 within 10 s a rank that hangs from one that is slow, and which rank is gone when a collective with them fails.
 
 Every rank but 0 runs a `Heartbeat`: a daemon thread that writes "beats cpu-seconds step-done state" under

@@ -5,10 +5,10 @@ host or several (chosen by itself under torchrun)."""
 
 from __future__ import annotations
 
-from turbollm.engine.executor.base import Executor
-from turbollm.engine.executor.multiproc import MultiprocExecutor
-from turbollm.engine.executor.torchrun import TorchrunExecutor
-from turbollm.engine.executor.uniproc import UniProcExecutor
+from turbollm.executor.base import Executor
+from turbollm.executor.multiproc import MultiprocExecutor
+from turbollm.executor.torchrun import TorchrunExecutor
+from turbollm.executor.uniproc import UniProcExecutor
 from turbollm.errors import InvalidRequestError
 
 EXECUTORS: dict[str, type[Executor]] = {"uni": UniProcExecutor, "mp": MultiprocExecutor,

@@ -25,7 +25,7 @@ import torch
 from turbollm.distributed import get_tp
 from turbollm.distributed.pipeline_parallel import (MIN_MICROBATCH_TOKENS, recv_embedded, recv_hidden,
                                                     send_embedded, send_hidden, split_microbatches, wait_sends)
-from turbollm.engine.scheduler_output import SchedulerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("turbollm")
 
