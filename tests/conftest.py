@@ -101,6 +101,42 @@ def needs_kernels():
 TEST_EXTRA_MODULES = ("transformers", "httpx", "openai", "schemathesis")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(args: list[str], port: int, log_path: Path, env: dict | None = None, timeout: float = 180):
+    """`python -m turbollm serve ARGS --port PORT` in a process, logging to `log_path` (a file, not a pipe: a full
+    pipe would block the server), returned once /health answers 200; fails the test if it exits or times out."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "turbollm", "serve", *args, "--port", str(port)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_text = lambda: log_path.read_text()[-3000:]
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.log_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not become healthy in {timeout:.0f} s")
+        time.sleep(0.25)
+
+
 def step_after_signal(engine, rank: int, sig: int, match: str) -> None:
     """Send `sig` to the engine's worker process `rank`, then run a step: it must raise `WorkerDiedError`
     matching `match` within 10 s (a dead or hung worker is named, never waited on)."""

@@ -77,6 +77,16 @@ def build_tiny(arch: str, folder: Path) -> Path:
     return folder
 
 
+def add_chat_template(folder: Path) -> Path:
+    """Give a tiny checkpoint's tokenizer a plain chat template, so chat requests run on it."""
+    import json
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
 def calibration_text(path: Path, words: int = 4000, seed: int = 7) -> Path:
     """A .txt calibration corpus of `words` random vocabulary words (one token each)."""
     g = torch.Generator().manual_seed(seed)

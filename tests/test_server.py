@@ -12,9 +12,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from conftest import catalog_model_path  # noqa: E402
+from conftest import catalog_model_path, free_port, serve_process  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -32,45 +30,19 @@ MAX_SEQS = 32
 BODY_LIMIT = 1_000_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = str(catalog_model_path("smollm2-135m"))
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server
-    port = _free_port()
-    env = dict(os.environ, TURBOLLM_API_KEY=KEY)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "turbollm", "serve", path, "--port", str(port), "--threads", "1",
-         "--kv-cache-memory", "0.25", "--max-num-seqs", str(MAX_SEQS), "--served-model-name", NAME,
-         "--max-waiting-requests", "0", "--max-request-bytes", str(BODY_LIMIT), "--shutdown-timeout", "3",
+    port = free_port()
+    proc = serve_process(
+        [path, "--threads", "1", "--kv-cache-memory", "0.25", "--max-num-seqs", str(MAX_SEQS), "--served-model-name",
+         NAME, "--max-waiting-requests", "0", "--max-request-bytes", str(BODY_LIMIT), "--shutdown-timeout", "3",
          "--log-level", "warning"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.log_text = lambda: log_path.read_text()[-3000:]
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.log_text()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("the server did not become healthy in 180 s")
-        time.sleep(0.25)
-    yield {"base": base, "proc": proc, "model": path}
+        port, tmp_path_factory.mktemp("server") / "server.log", env=dict(os.environ, TURBOLLM_API_KEY=KEY))
+    yield {"base": f"http://127.0.0.1:{port}", "proc": proc, "model": path}
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    log.close()
 
 
 @pytest.fixture(scope="module")

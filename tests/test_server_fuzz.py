@@ -9,7 +9,6 @@ so a failure reproduces).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -17,7 +16,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
-from quant_tiny import build_tiny  # noqa: E402
+from quant_tiny import add_chat_template, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow  # hundreds of generated requests: the full tier (`make test`), not `make test-fast`
 
@@ -32,10 +31,7 @@ def fuzz_app(tmp_path_factory):
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
     from turbollm.server.app import ServerSettings, build_app
 
-    path = build_tiny("llama", tmp_path_factory.mktemp("tiny-llama-fuzz"))
-    config = json.loads((path / "tokenizer_config.json").read_text())  # a chat template, so chat requests run
-    config["chat_template"] = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    path = add_chat_template(build_tiny("llama", tmp_path_factory.mktemp("tiny-llama-fuzz")))
     aengine = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(path), threads=1, max_model_len=64, max_num_seqs=16)))
     app = build_app(aengine, ServerSettings(served_model_names=[NAME], max_waiting_requests=64,
                                             max_request_bytes=1 << 20))

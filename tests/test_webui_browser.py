@@ -20,16 +20,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import STRICT_HOW, catalog_model_path, strict_mode
+from conftest import STRICT_HOW, catalog_model_path, free_port, serve_process, strict_mode
 
 httpx = pytest.importorskip("httpx")
 
@@ -54,35 +52,11 @@ def _missing(reason: str):
     pytest.skip(reason)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(port: int, log_path: Path) -> subprocess.Popen:
     """`turbollm serve smollm2-135m` on `port` (one thread: the other core is the browser's), healthy."""
-    path = str(catalog_model_path("smollm2-135m"))
-    log = open(log_path, "a")  # a file, not a pipe: a full pipe would block the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "turbollm", "serve", path, "--served-model-name", "smollm2-135m", "--port", str(port),
-         "--threads", "1", "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--api-key", KEY],
-        stdout=log, stderr=subprocess.STDOUT, text=True)
-    log.close()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("the server did not become healthy in 180 s")
-        time.sleep(0.25)
+    return serve_process([str(catalog_model_path("smollm2-135m")), "--served-model-name", "smollm2-135m",
+                          "--threads", "1", "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25",
+                          "--api-key", KEY], port, log_path)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

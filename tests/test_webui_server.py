@@ -10,12 +10,11 @@ cache's hit on a repeated prompt). The page itself is driven in a browser by tes
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 import pytest
 
-from quant_tiny import build_tiny
+from quant_tiny import add_chat_template, build_tiny
 from test_server_clients import NAME, serve_in_loop
 from turbollm.server.dashboard import LatencyWindow
 from turbollm.server.webui import STATIC, WebUI
@@ -25,11 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = build_tiny("llama", tmp_path_factory.mktemp("tiny-llama-webui"))
-    config = json.loads((path / "tokenizer_config.json").read_text())  # a chat template, so chat requests run
-    config["chat_template"] = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return add_chat_template(build_tiny("llama", tmp_path_factory.mktemp("tiny-llama-webui")))
 
 
 def test_every_file_the_page_names_is_shipped():

@@ -11,6 +11,7 @@ import gc
 from dataclasses import asdict
 
 from turbollm.benchmarks.physics import add_ceiling_flags, ceilings_from
+from turbollm.cli.bench_workload import check_workload, kv_itemsize, workload_requests
 from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
 from turbollm.errors import BenchmarkError
 
@@ -112,17 +113,6 @@ def run_bench_prefix(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_itemsize(engine) -> float:
-    """Bytes per stored K/V element (a quantized format: its blocks' bytes, scales included, per element)."""
-    import torch
-
-    kv = getattr(engine, "kv_config", None)
-    if kv is None:
-        return torch.empty(0, dtype=torch.float32).element_size()
-    lay = kv.groups[0].spec.layout
-    return lay.bytes_per_token / (2 * lay.num_kv_heads * lay.head_dim)
-
-
 def _tokenizer_and_config(resolved):
     from turbollm.config import config_from_gguf, config_from_hf
     from turbollm.hub.resolve import CheckpointFormat
@@ -134,27 +124,6 @@ def _tokenizer_and_config(resolved):
         gguf = read_gguf(resolved.path)
         return Tokenizer.from_gguf(gguf.metadata), config_from_gguf(gguf)
     return Tokenizer.from_hf_folder(resolved.path), config_from_hf(resolved.path)
-
-
-def _check_workload(ns) -> None:
-    """Fail on bad flags or a missing data file before any model is loaded."""
-    from turbollm.benchmarks.datasets import sharegpt_path
-
-    for name in ("num_prompts", "output_len", "input_len", "max_input_len"):
-        if getattr(ns, name) < 1:
-            raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1")
-    if any(b < 1 for b in ns.hf_batch_size):
-        raise BenchmarkError("--hf-batch-size must be >= 1")
-    if ns.dataset == "sharegpt":
-        sharegpt_path(ns.data_dir)
-
-
-def _requests(ns, tokenizer):
-    from turbollm.benchmarks.datasets import random_requests, sharegpt_requests
-
-    if ns.dataset == "sharegpt":
-        return sharegpt_requests(tokenizer, ns.num_prompts, ns.output_len, ns.max_input_len, ns.data_dir)
-    return random_requests(tokenizer, ns.num_prompts, ns.input_len, ns.output_len, ns.prompt_seed)
 
 
 def bench_throughput(ns: argparse.Namespace) -> dict:
@@ -177,13 +146,13 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
 
         return bench_vllm(ns, args, ceilings)
     run_turbo, run_hf = ns.backend in ("turbollm", "both"), ns.backend in ("hf", "both")
-    _check_workload(ns)
+    check_workload(ns)
     llm = hf = None
     if run_turbo:
         llm = LLM(**asdict(args))
         engine = llm.engine
         resolved, config, tokenizer = engine.resolved, engine.config, llm.get_tokenizer()
-        phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+        phys = physics_of_turbollm(engine.footprint, engine.config, kv_itemsize(engine))
         max_len = engine.max_model_len
     else:
         if ns.threads:
@@ -193,7 +162,7 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
         hf = hf_backend.load_hf_model(resolved)
         phys = physics_of_hf(hf)
         max_len = min(ns.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    requests, cut = fit_to_context(_requests(ns, tokenizer), max_len)
+    requests, cut = fit_to_context(workload_requests(ns, tokenizer), max_len)
 
     workload = {"dataset": ns.dataset, **length_summary(requests)}
     if ns.dataset == "sharegpt":
@@ -254,7 +223,7 @@ def _batch_sweep(ns: argparse.Namespace, args, ceilings) -> dict:
     if any(b < 1 for b in ns.batch_sweep) or max(ns.batch_sweep) > ns.max_num_seqs:
         raise BenchmarkError(f"--batch-sweep sizes must be between 1 and --max-num-seqs ({ns.max_num_seqs})")
     engine = LLMEngine(args)
-    phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+    phys = physics_of_turbollm(engine.footprint, engine.config, kv_itemsize(engine))
     setting = {"benchmark": "throughput batch sweep", "model": model_setting(engine.resolved, engine.config, phys),
                "machine": machine_setting(ceilings), "engine_args": engine_setting(args),
                "workload": {"batch_sizes": ns.batch_sweep, "input_len": ns.input_len, "output_len": ns.output_len,
@@ -290,7 +259,7 @@ def bench_latency(ns: argparse.Namespace) -> dict:
     ceilings = ceilings_from(ns)
     args = engine_args_from(ns)
     engine = LLMEngine(args)
-    phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+    phys = physics_of_turbollm(engine.footprint, engine.config, kv_itemsize(engine))
     setting = {"benchmark": "latency", "model": model_setting(engine.resolved, engine.config, phys),
                "machine": machine_setting(ceilings),
                "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "batch_size": ns.batch_size,

@@ -13,7 +13,7 @@ import gc
 from dataclasses import asdict, replace
 
 from turbollm.errors import BenchmarkError
-from turbollm.cli.bench_perf_cmd import _check_workload, _kv_itemsize, _requests
+from turbollm.cli.bench_workload import check_workload, kv_itemsize, workload_requests
 
 
 def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
@@ -30,7 +30,7 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     if ns.backend != "vllm":
         raise BenchmarkError("--vllm-python goes with --backend vllm")
     python = vb.check_python(ns.vllm_python)
-    _check_workload(ns)
+    check_workload(ns)
     resolved = resolve_model(ns.model)
     hf_dir, converted = vb.hf_fp32_folder(resolved)
     runs = [("turbollm_fp32", replace(args, model=str(hf_dir), quantization="none"))]
@@ -44,9 +44,9 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     for key, run_args in runs:
         llm = LLM(**asdict(run_args))
         engine = llm.engine
-        phys = physics_of_turbollm(engine.footprint, engine.config, _kv_itemsize(engine))
+        phys = physics_of_turbollm(engine.footprint, engine.config, kv_itemsize(engine))
         if requests is None:
-            requests, cut = fit_to_context(_requests(ns, llm.get_tokenizer()), engine.max_model_len)
+            requests, cut = fit_to_context(workload_requests(ns, llm.get_tokenizer()), engine.max_model_len)
             threads = torch.get_num_threads()
             kv_bytes = 2 * engine.config.num_layers * engine.config.num_kv_heads * engine.config.head_dim * 4
             kv_gib = vb.kv_space_gib(requests, ns.max_num_seqs, kv_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from turbollm.cli.config_file import add_config_flags
 from turbollm.engine_args import KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
 from turbollm.kernels.forms import FORMS
 
@@ -103,6 +104,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                             "\"num_speculative_tokens\": K, ...}' (K adapts per step unless \"adaptive\": false)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    add_config_flags(p)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

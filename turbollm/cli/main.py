@@ -7,14 +7,16 @@ import sys
 
 from turbollm.cli.bench_cmd import add_bench
 from turbollm.cli.chat_cmd import add_chat
+from turbollm.cli.config_file import apply_config
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
 from turbollm.cli.quantize_cmd import add_quantize
+from turbollm.cli.recipes_cmd import add_recipes
 from turbollm.cli.serve_cmd import add_serve
 from turbollm.errors import TurboLLMError
 
-COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve, add_quantize]
+COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve, add_quantize, add_recipes]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        ns = apply_config(parser, chosen_parser(parser, ns), ns, argv)  # --recipe / --config, flags still win
         return int(ns.func(ns) or 0)
     except TurboLLMError as e:
         print(f"turbollm: error: {e}", file=sys.stderr)

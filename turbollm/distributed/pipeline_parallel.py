@@ -6,7 +6,7 @@ contiguous range of decoder layers and their KV caches; the first stage also emb
 the last one holds the final norm and the LM head and samples. A table tied to the LM head is held by
 the last stage alone: it looks the tokens up and sends the rows to the first (`send_embedded`, from a
 thread of its own as soon as a step reaches a worker process, when the step starts under torchrun;
-through a group of its own: `init_lookup_groups`). Every rank gets every step's
+through a group of its own: `tensor_parallel.init_lookup_groups`). Every rank gets every step's
 `SchedulerOutput` (its sequences' state stays in step with no further messages); a stage receives
 (block output, residual stream) of each micro-batch from the same TP rank of the stage before and
 sends its own to the next (`send_hidden` / `recv_hidden`, gloo point-to-point, timed in the rank's
@@ -19,14 +19,13 @@ weighs as much as several layers). The embedding is a lookup and weighs nothing 
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch
 import torch.distributed as dist
 
 from turbollm.distributed import get_tp
-from turbollm.distributed.tensor_parallel import COMM, JOIN_TIMEOUT_S
+from turbollm.distributed.tensor_parallel import COMM, lookup_group
 from turbollm.errors import InvalidRequestError
 
 
@@ -100,20 +99,6 @@ def split_microbatches(token_counts: list[int], m: int, min_tokens: int = 1) -> 
     return [r for r in out if len(r)]
 
 
-_LOOKUP_GROUP: list = [None]  # the first and the last stage's ranks of this TP rank: the tied table's rows
-
-
-def init_lookup_groups(rank: int, tp: int, pp: int) -> None:
-    """One group per TP rank of (its first-stage rank, its last-stage rank), every rank creating each in the
-    same order: the rows of a tied table go through it, sent from a thread of their own on the last stage
-    (its own gloo context: no op of the main thread's groups is in its way)."""
-    for r in range(tp):
-        group = dist.new_group([r, (pp - 1) * tp + r], timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
-                               backend="gloo")
-        if rank in (r, (pp - 1) * tp + r):
-            _LOOKUP_GROUP[0] = group
-
-
 def _rank(stage: int) -> int:
     """The global rank of this TP rank's peer in `stage`."""
     st = get_tp()
@@ -157,7 +142,7 @@ def send_embedded(x: torch.Tensor) -> None:
     """The last stage, holding a tied table (from its lookup thread): send a micro-batch's looked-up rows to
     the first stage (this rank's share of them under tensor parallelism: the first stage sums the shares);
     returns once the first stage has taken them."""
-    work, _ = _isend(x.contiguous(), 0, _LOOKUP_GROUP[0])
+    work, _ = _isend(x.contiguous(), 0, lookup_group())
     t0 = time.perf_counter()
     work.wait()
     COMM.send_seconds += time.perf_counter() - t0
@@ -166,7 +151,7 @@ def send_embedded(x: torch.Tensor) -> None:
 def recv_embedded(num_tokens: int, hidden: int) -> torch.Tensor:
     """The first stage: a micro-batch's looked-up rows from the last stage (which holds the tied table); with
     tensor parallelism each rank receives its peer's vocabulary share and the stage's ranks sum them."""
-    buf = _recv((num_tokens, hidden), get_tp().pp_size - 1, _LOOKUP_GROUP[0])
+    buf = _recv((num_tokens, hidden), get_tp().pp_size - 1, lookup_group())
     if get_tp().tp_size > 1:
         from turbollm.distributed.tensor_parallel import all_reduce
 

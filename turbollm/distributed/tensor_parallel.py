@@ -35,6 +35,25 @@ _GROUP: list = [None]  # the step's process group (a shorter timeout than the jo
 _SHM: list = [None]  # ranks on one host: the shared-memory exchange (distributed/shm_comm.py), or None
 
 
+_LOOKUP_GROUP: list = [None]  # the first and the last stage's ranks of this TP rank: the tied table's rows
+
+
+def init_lookup_groups(rank: int, tp: int, pp: int) -> None:
+    """One group per TP rank of (its first-stage rank, its last-stage rank), every rank creating each in the
+    same order: the rows of a tied table go through it, sent from a thread of their own on the last stage
+    (its own gloo context: no op of the main thread's groups is in its way)."""
+    for r in range(tp):
+        group = dist.new_group([r, (pp - 1) * tp + r], timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
+                               backend="gloo")
+        if rank in (r, (pp - 1) * tp + r):
+            _LOOKUP_GROUP[0] = group
+
+
+def lookup_group():
+    """This TP rank's (first stage, last stage) group (`init_lookup_groups`; None without pipeline stages)."""
+    return _LOOKUP_GROUP[0]
+
+
 def init_parallel(rank: int, tp: int, init_method: str, shm_files=None, pp: int = 1,
                   layers: range | None = None) -> None:
     """Join the gloo group of `tp` × `pp` ranks (global rank = stage × tp + tp rank) and make this process
@@ -50,8 +69,6 @@ def init_parallel(rank: int, tp: int, init_method: str, shm_files=None, pp: int 
                            f"pipeline_parallel_size {pp} needs {world}")
     stage, tp_rank = divmod(rank, tp)
     if pp > 1:
-        from turbollm.distributed.pipeline_parallel import init_lookup_groups
-
         init_lookup_groups(rank, tp, pp)
     for s in range(pp):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
