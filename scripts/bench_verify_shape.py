@@ -19,9 +19,9 @@ import time
 import torch
 
 from turbollm import SamplingParams
-from turbollm.engine_args import EngineArgs
-from turbollm.engine.llm_engine import LLMEngine
 from turbollm.benchmarks.physics import physics_of_turbollm
+from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine_args import EngineArgs
 
 
 def main() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from turbollm.core.block_pool import BlockPool, hash_block
 from turbollm.core.kv_cache_manager import KVCacheManager
-from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.core.scheduler import Scheduler
 from turbollm.core.sequence import Sequence
+from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.sampling_params import SamplingParams
 
 BS = 4

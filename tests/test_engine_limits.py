@@ -11,11 +11,11 @@ import torch
 
 from quant_tiny import VOCAB, build_tiny
 from turbollm import LLM, SamplingParams
-from turbollm.worker import sampler as sampler_module
-from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
-from turbollm.worker.sampler import Sampler
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
+from turbollm.worker import sampler as sampler_module
+from turbollm.worker.sampler import Sampler
 
 pytest.importorskip("transformers")
 

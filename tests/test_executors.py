@@ -13,9 +13,9 @@ import pytest
 from conftest import catalog_model_path, step_after_signal
 from quant_tiny import build_tiny
 from turbollm import SamplingParams
+from turbollm.engine.llm_engine import LLMEngine
 from turbollm.engine_args import EngineArgs
 from turbollm.executor.base import ExecutorError
-from turbollm.engine.llm_engine import LLMEngine
 from turbollm.handoff.scheduler_output import SchedulerOutput
 
 pytestmark = pytest.mark.slow  # worker processes: the full tier (`make test`), not `make test-fast`

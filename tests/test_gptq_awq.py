@@ -32,12 +32,12 @@ from turbollm.kernels.quant import ggml_dequantize  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.models.branches import get_adapter  # noqa: E402
-from turbollm.quantize.calibration_runner import CalibrationRunner  # noqa: E402
 from turbollm.quantization.checkpoint_layouts import get_layout  # noqa: E402
 from turbollm.quantization.group_quant import QuantGrid, rtn_quantize  # noqa: E402
 from turbollm.quantization.int4_method import layer_codes  # noqa: E402
 from turbollm.quantization.scale_folding import fold_scales  # noqa: E402
 from turbollm.quantize.awq import AWQAlgorithm, branch_error, candidate_scales  # noqa: E402
+from turbollm.quantize.calibration_runner import CalibrationRunner  # noqa: E402
 from turbollm.quantize.export_safetensors import write_quantized_folder  # noqa: E402
 from turbollm.quantize.gptq import GPTQAlgorithm  # noqa: E402
 from turbollm.quantize.methods import QUANTIZE_METHODS, QuantizeOptions  # noqa: E402

@@ -24,10 +24,10 @@ pytest.importorskip("transformers")
 from quant_tiny import build_tiny, token_windows  # noqa: E402
 from quant_tiny import one_thread_exact_matmul  # noqa: E402,F401 (autouse fixture)
 from turbollm.eval.parity import score  # noqa: E402
+from turbollm.kernels import get_kernels  # noqa: E402
 from turbollm.layers.linear import LinearBase  # noqa: E402
 from turbollm.loader import load_model  # noqa: E402
 from turbollm.models.branches import get_adapter  # noqa: E402
-from turbollm.kernels import get_kernels  # noqa: E402
 from turbollm.quantization.equalize import (equalize_decoder, rtn_error, rtn_errors,  # noqa: E402
                                             scaled_row_max_reference, search_column_scales,
                                             synthetic_input_rms)

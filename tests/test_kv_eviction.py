@@ -9,9 +9,9 @@ from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 from turbollm.attention.key_mass import KeyMass, accumulate_key_mass
 from turbollm.attention.metadata import AttentionMetadata
-from turbollm.engine_args import EngineArgs
 from turbollm.core.kv_cache_manager import KVCacheManager
 from turbollm.core.kv_eviction import SNAPKV_OBSERVE, SCORERS, choose_evictions
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
 
 

@@ -16,10 +16,10 @@ from turbollm.config import FULL, SLIDING, ModelConfig
 from turbollm.core.block_pool import NULL_BLOCK, BlockPool
 from turbollm.core.kv_cache_manager import KVCacheManager
 from turbollm.core.kv_sizing import kv_config_for_model
-from turbollm.handoff.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
-from turbollm.handoff.runner_output import ModelRunnerOutput, SampledToken
 from turbollm.core.scheduler import Scheduler
 from turbollm.core.sequence import Sequence
+from turbollm.handoff.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
+from turbollm.handoff.runner_output import ModelRunnerOutput, SampledToken
 from turbollm.sampling_params import SamplingParams as SP
 
 BS = 4

@@ -17,13 +17,13 @@ from test_kv_groups import _seq, _step
 from turbollm import LLM, SamplingParams
 from turbollm.attention.kv_storage import KVLayout
 from turbollm.config import FULL, SLIDING, ModelConfig
-from turbollm.engine_args import EngineArgs
 from turbollm.core.block_pool import NULL_BLOCK, BlockPool
 from turbollm.core.kv_cache_manager import KVCacheManager
 from turbollm.core.kv_sizing import default_kv_budget, kv_config_for_model, kv_config_from_budget
-from turbollm.handoff.kv_cache_spec import SinkWindowSpec, SlidingWindowSpec
 from turbollm.core.scheduler import Scheduler
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
+from turbollm.handoff.kv_cache_spec import SinkWindowSpec, SlidingWindowSpec
 
 BS = 4
 GEMMA_LIKE = dict(arch="gemma3", hidden_size=64, num_layers=6, num_heads=2, num_kv_heads=1, head_dim=32,

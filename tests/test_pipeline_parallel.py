@@ -15,8 +15,8 @@ from quant_tiny import build_tiny
 from turbollm import LLM
 from turbollm.config import ModelConfig
 from turbollm.distributed.pipeline_parallel import partition_layers, split_microbatches
-from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow  # process groups: the full tier (`make test`), not `make test-fast`

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turbollm.worker.sampler import Sampler, SamplingRow
 from turbollm.errors import InvalidRequestError
 from turbollm.sampling_params import SamplingParams
+from turbollm.worker.sampler import Sampler, SamplingRow
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from quant_tiny import build_tiny
-from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine_args import EngineArgs
 
 httpx = pytest.importorskip("httpx")
 transformers = pytest.importorskip("transformers")

@@ -22,8 +22,8 @@ import torch
 
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
-from turbollm.worker import model_runner
 from turbollm.spec_decode.proposers import Proposer
+from turbollm.worker import model_runner
 
 pytestmark = pytest.mark.slow  # statistical runs of thousands of samples: the full tier (`make test`), not `make test-fast`
 

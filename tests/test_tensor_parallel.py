@@ -13,11 +13,11 @@ import torch
 from conftest import catalog_model_path, check_equal, greedy_tokens, step_after_signal
 from quant_tiny import build_tiny
 from turbollm import LLM
-from turbollm.engine_args import EngineArgs
-from turbollm.executor.base import ExecutorError, WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
-from turbollm.handoff.scheduler_output import SchedulerOutput
+from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
+from turbollm.executor.base import ExecutorError, WorkerDiedError
+from turbollm.handoff.scheduler_output import SchedulerOutput
 
 pytestmark = pytest.mark.slow  # process groups: the full tier (`make test`), not `make test-fast`
 

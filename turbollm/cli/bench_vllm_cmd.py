@@ -12,8 +12,8 @@ import argparse
 import gc
 from dataclasses import asdict, replace
 
-from turbollm.errors import BenchmarkError
 from turbollm.cli.bench_workload import check_workload, kv_itemsize, workload_requests
+from turbollm.errors import BenchmarkError
 
 
 def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:

@@ -26,9 +26,9 @@ import copy
 import hashlib
 
 from turbollm.core.block_pool import NULL_BLOCK, BlockPool, CacheStats, hash_block
-from turbollm.handoff.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from turbollm.core.kv_eviction import SCORERS, EvictionSpec, choose_evictions
 from turbollm.core.sequence import Sequence
+from turbollm.handoff.kv_cache_spec import KVCacheConfig, KVCacheSpec
 
 
 def _digest(data: bytes) -> bytes:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from turbollm.attention.kv_storage import KVLayout
-from turbollm.handoff.kv_cache_spec import DEFAULT_ATTENTION_SINKS, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
 from turbollm.core.kv_eviction import SCORERS, EvictionSpec
 from turbollm.errors import InvalidRequestError
+from turbollm.handoff.kv_cache_spec import DEFAULT_ATTENTION_SINKS, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
 
 
 @dataclass(frozen=True)

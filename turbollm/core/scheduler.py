@@ -45,10 +45,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.scheduler_spec import SpeculationPlanning
+from turbollm.core.sequence import Sequence, SequenceStatus
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.handoff.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
-from turbollm.core.sequence import Sequence, SequenceStatus
-from turbollm.core.scheduler_spec import SpeculationPlanning
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.proposers import Proposer
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.core.sequence import Sequence
+from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.spec_decode.adaptive import AdaptivePlanner
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.proposers import Proposer

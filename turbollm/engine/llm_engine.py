@@ -35,23 +35,21 @@ from typing import Any
 
 import torch
 
+from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.kv_policy import get_kv_policy
+from turbollm.core.kv_sizing import default_kv_budget, kv_config_for_model, kv_config_from_budget
+from turbollm.core.scheduler import Scheduler
+from turbollm.core.sequence import Sequence
 from turbollm.distributed.launch import torchrun_rank
 from turbollm.distributed.pipeline_parallel import partition_layers
 from turbollm.distributed.tensor_parallel import check_tensor_parallel
+from turbollm.engine.output_processor import OutputProcessor, RequestState
+from turbollm.engine.step_profile import profile_step_costs
 from turbollm.engine_args import EngineArgs
+from turbollm.errors import InvalidRequestError
 from turbollm.executor import get_executor_class
 from turbollm.executor.torchrun import run_worker
-from turbollm.core.kv_cache_manager import KVCacheManager
-from turbollm.core.kv_sizing import default_kv_budget, kv_config_for_model, kv_config_from_budget
-from turbollm.core.kv_policy import get_kv_policy
-from turbollm.worker.malloc_tuning import tune_malloc
-from turbollm.engine.output_processor import OutputProcessor, RequestState
-from turbollm.core.scheduler import Scheduler
 from turbollm.handoff.scheduler_output import SchedulerOutput
-from turbollm.worker.draft_runner import DraftRunner
-from turbollm.core.sequence import Sequence
-from turbollm.engine.step_profile import profile_step_costs
-from turbollm.errors import InvalidRequestError
 from turbollm.kernels.forms import resolve_form
 from turbollm.loader import LoadedModel, describe_model, load_model
 from turbollm.log import init_logger
@@ -61,6 +59,8 @@ from turbollm.spec_decode.adaptive import AdaptivePlanner
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.draft_model import check_draft_model
 from turbollm.spec_decode.proposers import ProposerContext, make_proposer
+from turbollm.worker.draft_runner import DraftRunner
+from turbollm.worker.malloc_tuning import tune_malloc
 
 logger = init_logger()
 
@@ -126,8 +126,8 @@ class LLMEngine:
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul, resolve_form(args.kernel_form))).encode()
         self.kv_config = kv_config_from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
-                                                   policy, args.max_num_seqs, self._batched_tokens(args),
-                                                   spec_tokens, args.kv_recent_window or 0)
+                                               policy, args.max_num_seqs, self._batched_tokens(args),
+                                               spec_tokens, args.kv_recent_window or 0)
         # an evicted table no longer matches its prompt's block keys: no prefix caching under eviction
         caching = args.enable_prefix_caching and not kv_policy.evicts
         self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=caching)
@@ -157,7 +157,7 @@ class LLMEngine:
         if spec is not None:
             self.scheduler.proposer = make_proposer(spec, ProposerContext(
                 args, self.kv_config, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0],
-                make_draft_runner=lambda config: DraftRunner.load(config, args, self.kv_config)))
+                make_draft_runner=lambda config: self._load_draft(config, args)))
             if spec.adaptive:  # the target's step cost by rows, measured now; then every step refines it
                 self.scheduler.planner = AdaptivePlanner(spec.num_speculative_tokens, ROW_INVARIANT_ROWS)
                 scratch = profile_step_costs(self.executor, self.kv_manager, self.scheduler.planner.costs,
@@ -170,6 +170,12 @@ class LLMEngine:
         self.scheduler.max_steps_in_flight = self.executor.max_steps_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self.step_counts = [0, 0, 0]  # steps collected, sequences and tokens they computed (stats())
+
+    def _load_draft(self, config, args: EngineArgs) -> DraftRunner:
+        """The draft model's runner, its K/V sized here with the target pool's number of blocks."""
+        kv = self.kv_config
+        return DraftRunner.load(config, args, kv,
+                                lambda cfg, dtype: kv_config_for_model(cfg, kv.num_blocks, kv.block_size, dtype))
 
     def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int, model_len: int) -> None:
         """A group that releases blocks must hold one sequence's window alone (else a long sequence would

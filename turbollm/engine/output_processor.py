@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from turbollm.engine.detokenizer import IncrementalDetokenizer
-from turbollm.handoff.runner_output import PromptLogprobs, SampledToken
 from turbollm.core.scheduler import Scheduler, SchedulerUpdate, SeqUpdate
 from turbollm.core.sequence import Sequence
+from turbollm.engine.detokenizer import IncrementalDetokenizer
+from turbollm.handoff.runner_output import PromptLogprobs, SampledToken
 from turbollm.outputs import CompletionOutput, Logprob, RequestOutput
 from turbollm.sampling_params import SamplingParams
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from turbollm.handoff.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from turbollm.core.sequence import Sequence
+from turbollm.handoff.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from turbollm.sampling_params import SamplingParams
 from turbollm.spec_decode.adaptive import StepCosts
 

@@ -36,12 +36,12 @@ import threading
 import uuid
 from typing import Any
 
-from turbollm.engine_args import EngineArgs
-from turbollm.executor.base import WorkerDiedError
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine_args import EngineArgs
 from turbollm.entrypoints.request_stream import (AbortCommand, AddCommand, Mailbox, PromptType, RequestStream,
                                                  ShutdownCommand)
 from turbollm.errors import InvalidRequestError
+from turbollm.executor.base import WorkerDiedError
 from turbollm.outputs import CompletionOutput, RequestOutput
 from turbollm.sampling_params import SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from turbollm.engine_args import EngineArgs
 from turbollm.engine.llm_engine import LLMEngine
+from turbollm.engine_args import EngineArgs
 from turbollm.outputs import RequestOutput
 from turbollm.sampling_params import SamplingParams
 

@@ -5,11 +5,11 @@ host or several (chosen by itself under torchrun)."""
 
 from __future__ import annotations
 
+from turbollm.errors import InvalidRequestError
 from turbollm.executor.base import Executor
 from turbollm.executor.multiproc import MultiprocExecutor
 from turbollm.executor.torchrun import TorchrunExecutor
 from turbollm.executor.uniproc import UniProcExecutor
-from turbollm.errors import InvalidRequestError
 
 EXECUTORS: dict[str, type[Executor]] = {"uni": UniProcExecutor, "mp": MultiprocExecutor,
                                         "torchrun": TorchrunExecutor}

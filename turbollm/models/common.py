@@ -18,16 +18,16 @@ import torch
 from torch import nn
 
 from turbollm.config import ModelConfig
+from turbollm.distributed import get_tp
 from turbollm.errors import WeightLoadError
 from turbollm.layers.activation import GatedActivation
 from turbollm.layers.attention import Attention, sink_positions
 from turbollm.layers.embedding import LMHead, VocabEmbedding
-from turbollm.distributed import get_tp
 from turbollm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turbollm.layers.norm import RMSNorm
 from turbollm.layers.rotary import RotaryEmbedding
-from turbollm.models.forward_batch import ForwardBatch
 from turbollm.models.branches import Branch, get_adapter
+from turbollm.models.forward_batch import ForwardBatch
 from turbollm.models.windows import WindowBatches
 from turbollm.quantization import LinearMethod, QuantizedTensor
 from turbollm.quantization.qtensor import as_dense, copy_checked

@@ -56,11 +56,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from turbollm.models.forward_batch import ForwardBatch
 from turbollm.models.branches import Branch
-from turbollm.quantize.calibration_runner import CalibrationRunner
+from turbollm.models.forward_batch import ForwardBatch
 from turbollm.quantization.group_quant import QuantGrid, QuantizedWeight, rtn_quantize
 from turbollm.quantization.scale_folding import fold_scales
+from turbollm.quantize.calibration_runner import CalibrationRunner
 from turbollm.quantize.pipeline import BranchAlgorithm
 
 N_GRID = 20

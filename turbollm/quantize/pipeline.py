@@ -27,8 +27,8 @@ from torch import nn
 
 from turbollm.layers.linear import LinearBase
 from turbollm.models.branches import Branch, get_adapter
-from turbollm.quantize.calibration_runner import CalibrationRunner, capture_input, run_until_captured
 from turbollm.quantization.group_quant import QuantizedWeight
+from turbollm.quantize.calibration_runner import CalibrationRunner, capture_input, run_until_captured
 
 STORE_BUDGET = 1536 << 20  # bytes of `second`'s inputs kept to skip recomputing a branch
 

@@ -15,9 +15,9 @@ import logging
 
 import torch
 
-from turbollm.worker.model_runner import ModelRunner, SeqState
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.sampling_params import SamplingParams
+from turbollm.worker.model_runner import ModelRunner, SeqState
 
 logger = logging.getLogger("turbollm")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -28,9 +28,10 @@ class DraftRunner:
         self.loaded, self.runner = loaded, runner
 
     @classmethod
-    def load(cls, config, args, kv_config) -> "DraftRunner":
+    def load(cls, config, args, kv_config, size_kv) -> "DraftRunner":
+        """`size_kv(model_config, dtype)`: the draft's `KVCacheConfig` with the target's blocks (the scheduler side
+        sizes it; handed in, so the worker side imports none of it)."""
         from turbollm.attention import get_attention_backend
-        from turbollm.core.kv_sizing import kv_config_for_model  # engine-side today (issue 47 item 2)
         from turbollm.worker.kv_allocation import allocate_kv_storage
         from turbollm.loader import load_model
         from turbollm.kernels.forms import resolve_form
@@ -44,7 +45,7 @@ class DraftRunner:
         set_kernel_form(loaded.model, resolve_form(args.kernel_form))
         # the draft's K/V in the target's float dtype (float16 beside a quantized target format)
         dtype = kv_config.dtype if kv_config.dtype.is_floating_point else torch.float16
-        draft_kv = kv_config_for_model(loaded.config, kv_config.num_blocks, kv_config.block_size, dtype)
+        draft_kv = size_kv(loaded.config, dtype)
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), kv_config.block_size,

@@ -22,15 +22,15 @@ import torch
 
 from turbollm.attention import AttentionBackend, AttentionMetadata
 from turbollm.attention.key_mass import KeyMass
-from turbollm.distributed import get_tp
 from turbollm.attention.kv_storage import LayerKVCache
-from turbollm.worker.fused_step import FusedDecodeStep
-from turbollm.worker.kv_rings import RecentRings
+from turbollm.distributed import get_tp
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
-from turbollm.worker.sampler import Sampler, SamplingRow, ranked_logprobs
 from turbollm.handoff.scheduler_output import ForkData, NewRequestData, SchedulerOutput
 from turbollm.models.common import CausalLM
 from turbollm.models.forward_batch import ForwardBatch, LayerHooks
+from turbollm.worker.fused_step import FusedDecodeStep
+from turbollm.worker.kv_rings import RecentRings
+from turbollm.worker.sampler import Sampler, SamplingRow, ranked_logprobs
 
 
 @dataclass(kw_only=True)

@@ -15,14 +15,14 @@ import torch
 from turbollm.attention import get_attention_backend
 from turbollm.engine_args import EngineArgs
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
+from turbollm.handoff.runner_output import ModelRunnerOutput
+from turbollm.handoff.scheduler_output import SchedulerOutput
+from turbollm.kernels.forms import resolve_form
+from turbollm.models.forward_batch import LayerHooks
+from turbollm.quantization.base import set_kernel_form, set_qmatmul
 from turbollm.worker.kv_allocation import allocate_kv_storage
 from turbollm.worker.malloc_tuning import tune_malloc
 from turbollm.worker.model_runner import ModelRunner
-from turbollm.handoff.runner_output import ModelRunnerOutput
-from turbollm.handoff.scheduler_output import SchedulerOutput
-from turbollm.models.forward_batch import LayerHooks
-from turbollm.kernels.forms import resolve_form
-from turbollm.quantization.base import set_kernel_form, set_qmatmul
 
 
 class Worker:
