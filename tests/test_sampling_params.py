@@ -115,3 +115,19 @@ def test_rows_without_top_p_keep_every_token_beside_rows_with_it():
     assert bool((probs[1] > 0).all())
     assert torch.allclose(probs[1], x[1].softmax(-1))
     assert int((probs[0] > 0).sum()) < 49152
+
+
+def test_plain_greedy_rows_skip_the_copy_and_still_exclude_nan():
+    """Plain greedy rows take the argmax of the logits as they are; a row holding NaN still excludes it (the
+    general path), and a batch mixing plain and penalized greedy rows equals the reference."""
+    from turbollm.worker.sampler import sample_reference
+
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0], [float("nan"), 0.1, 3.0, 0.2], [1.0, 4.0, 4.5, 0.0]])
+    plain = SamplingParams(temperature=0)
+    rows = [SamplingRow(plain, [0, 1], 1), SamplingRow(plain, [0, 1], 1),
+            SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), [0, 2], 1)]
+    got = [r.token_id for r in Sampler().sample(logits, rows)]
+    assert got == [1, 2, 1] == sample_reference(logits, rows, [None] * 3)
+    assert [r.token_id for r in Sampler().sample(logits[:1], rows[:1])] == [1]
+    nan_row = torch.full((1, 4), float("nan"))  # nothing to draw from: the general path's raw argmax rule
+    assert Sampler().sample(nan_row, [rows[0]])[0].token_id == sample_reference(nan_row, [rows[0]], [None])[0]

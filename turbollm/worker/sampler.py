@@ -95,6 +95,14 @@ class Sampler:
     # ------------------------------------------------------------------ the batched pass
     def _sample_batch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
         raw = logits.float()
+        if all(_plain_greedy(r) for r in rows):
+            # nothing to apply before the argmax: no copy of the logits, no NaN pass over them. `max` (one
+            # vectorized pass, values and first indices; torch's CPU argmax is several times slower) returns NaN
+            # for a row holding one, so rows without a NaN maximum have none and their index is the masked
+            # argmax; a batch with a NaN row takes the general path below
+            picked, tokens = raw.max(dim=-1)
+            if not bool(picked.isnan().any()):
+                return _with_logprobs(raw, tokens.tolist(), rows)
         x = apply_penalties_and_masks(raw.clone(), rows)
         x.masked_fill_(x.isnan(), _NEG_INF)
         tokens = torch.argmax(x, dim=-1)
@@ -118,6 +126,13 @@ class Sampler:
         if bool(bad.any()):  # nothing left to draw from: the raw argmax
             tokens[bad] = torch.argmax(raw[bad].masked_fill(raw[bad].isnan(), _NEG_INF), dim=-1)
         return tokens
+
+
+def _plain_greedy(r: SamplingRow) -> bool:
+    """Greedy with nothing applied to the logits first (no penalty, bias or min_tokens mask)."""
+    p = r.params
+    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and not p.logit_bias and not (r.end_token_ids and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens))
 
 
 def _flat(rows_ids: list[tuple[int, Sequence[int]]], vocab: int) -> torch.Tensor:
