@@ -24,7 +24,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) -e ".[test]"
 	@touch $@
 
-# The browser test (tests/test_webui_browser.py) drives Debian's chromium package through Playwright;
+# The browser tests (tests/test_webui_browser.py, test_webui_failures.py) drive Debian's chromium package through Playwright;
 # no browser is downloaded from anywhere else. Installed here when missing (root, or sudo without a
 # password); when it cannot be, the test fails and says why.
 browser:
@@ -33,7 +33,7 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
 	  || { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } \
-	  || echo "could not install chromium (apt-get as root): tests/test_webui_browser.py will fail"; }
+	  || echo "could not install chromium (apt-get as root): the browser tests will fail"; }
 
 # the openai client, for the Python example `make run` prints
 $(VENV)/.installed-client: $(VENV)/.installed

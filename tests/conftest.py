@@ -204,3 +204,7 @@ def pytest_terminal_summary(terminalreporter):
     elif not strict_mode():
         terminalreporter.write_line(f"turbollm: C++ kernel tests skipped, the build failed: {first_diagnostic(error)} "
                                     f"(this fails the run in {STRICT_HOW})")
+
+
+# the browser tests' session fixtures: one server and one chromium for test_webui_browser.py and test_webui_failures.py
+from webui_harness import chromium, ui, webui_server  # noqa: E402,F401

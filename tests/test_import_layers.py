@@ -23,9 +23,8 @@ so it is a dependency all the same. Relative imports are resolved, and
   and ``worker/`` (worker, model runner, fused step, pipeline stage, KV rings, sampler). The
   scheduler side never imports the worker side, the executors or the front door; the worker side
   and the executors never import the scheduler side or the front door; the contract imports none
-  of them. `PENDING_SIDE_EDGES` may list edges that break it during a move (none today; the last,
-  the draft runner sizing its K/V with the scheduler side's arithmetic, now gets it handed in): a
-  new one fails, and so does a listed one that is gone.
+  of them (the last edge against it, the draft runner sizing its K/V with the scheduler side's
+  arithmetic, now gets the sized config handed in).
 - No module cycle either (inside a package too; the last two were broken by moving the shared piece:
   the lookup groups into ``tensor_parallel``, the benchmarks' workload into ``cli/bench_workload.py``).
 Failures name the import lines that make the violating edge.
@@ -56,9 +55,6 @@ FORBIDDEN_SIDE_EDGES = frozenset({("core", "worker"), ("core", "executor"), ("co
                                   ("worker", "core"), ("worker", "engine"), ("executor", "core"),
                                   ("executor", "engine"), ("handoff", "core"), ("handoff", "worker"),
                                   ("handoff", "executor"), ("handoff", "engine")})
-#: (importing module, imported module) that break it today
-PENDING_SIDE_EDGES: frozenset[tuple[str, str]] = frozenset()  # none left
-PENDING_MODULE_CYCLES: frozenset[frozenset[str]] = frozenset()  # none left
 
 
 @dataclass(frozen=True)
@@ -305,11 +301,8 @@ def test_the_engine_sides_import_one_way():
     for side in SIDES:
         assert (PACKAGE / side / "__init__.py").is_file(), f"the {side}/ folder is gone"
     found = side_violations(module_imports(PACKAGE))
-    new = [f"{a} -> {b}: " + "; ".join(map(str, imps)) for (a, b), imps in sorted(found.items())
-           if (a, b) not in PENDING_SIDE_EDGES]
-    gone = sorted(PENDING_SIDE_EDGES - set(found))
-    assert not new, "imports against the one-way rule between the engine's folders:\n" + "\n".join(new)
-    assert not gone, f"pending edges that are gone (strike them from PENDING_SIDE_EDGES): {gone}"
+    bad = [f"{a} -> {b}: " + "; ".join(map(str, imps)) for (a, b), imps in sorted(found.items())]
+    assert not bad, "imports against the one-way rule between the engine's folders:\n" + "\n".join(bad)
 
 
 def test_no_module_cycle():
@@ -319,11 +312,8 @@ def test_no_module_cycle():
     for imp in imports:
         if imp.source != imp.target:
             edges.setdefault(imp.source, {}).setdefault(imp.target, []).append(imp)
-    found = {frozenset(comp): cycle for cycle, comp in find_cycles(mods, edges)}
-    new = [describe(cycle, edges) for comp, cycle in found.items() if comp not in PENDING_MODULE_CYCLES]
-    assert not new, "import cycles between modules (lazy imports included):\n" + "\n".join(new)
-    gone = [sorted(c) for c in PENDING_MODULE_CYCLES - set(found)]
-    assert not gone, f"cycles that are gone (strike them from PENDING_MODULE_CYCLES): {gone}"
+    bad = [describe(cycle, edges) for cycle, _ in find_cycles(mods, edges)]
+    assert not bad, "import cycles between modules (lazy imports included):\n" + "\n".join(bad)
 
 
 def test_the_side_rule_can_fail(tmp_path):

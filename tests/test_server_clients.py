@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from conftest import free_port
 from quant_tiny import build_tiny
 from turbollm.engine.llm_engine import LLMEngine
 from turbollm.engine_args import EngineArgs
@@ -43,7 +44,8 @@ def reference_logprobs(tiny):
     return [float(lp[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
 
 
-def make_app(tiny, **engine_kw):
+def make_app(tiny, settings: dict | None = None, **engine_kw):
+    """The app over an engine of `tiny`; `settings`: more ServerSettings fields (webui, api_key, ...)."""
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
     from turbollm.server.app import ServerSettings, build_app
 
@@ -51,22 +53,20 @@ def make_app(tiny, **engine_kw):
     engine_kw.setdefault("threads", 1)
     engine_kw.setdefault("max_num_seqs", 8)
     aengine = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(tiny), **engine_kw)))
-    app = build_app(aengine, ServerSettings(served_model_names=[NAME], max_waiting_requests=max_waiting))
+    app = build_app(aengine, ServerSettings(served_model_names=[NAME], max_waiting_requests=max_waiting,
+                                            **(settings or {})))
     return aengine, app
 
 
 def serve(tiny, scenario, **engine_kw):
     """Run `scenario(client)` against the app served by uvicorn on a free loopback port in a thread of this
     process (real HTTP: streams arrive as they are sent); the server and the engine stop afterwards."""
-    import socket
     import threading
 
     import uvicorn
 
     aengine, app = make_app(tiny, **engine_kw)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

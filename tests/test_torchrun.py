@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import free_port
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 
@@ -44,16 +44,10 @@ def tiny(tmp_path_factory):
     return build_tiny("qwen2", tmp_path_factory.mktemp("torchrun") / "qwen2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(script, *args: str) -> list[subprocess.Popen]:
     """Two torchrun launches of `script` on this machine as two nodes (one process each, over loopback), each in
     a session of its own (a test can kill a launcher with its rank)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),

@@ -92,27 +92,14 @@ def test_page_props_stats_and_cached_tokens(tiny):
 
 
 def test_no_webui(tiny):
-    from turbollm.entrypoints.async_engine import AsyncLLMEngine
-    from turbollm.engine_args import EngineArgs
-    from turbollm.engine.llm_engine import LLMEngine
-    from turbollm.server.app import ServerSettings, build_app
+    async def scenario(client):
+        assert (await client.get("/")).status_code == 404
+        assert (await client.get("/static/app.js")).status_code == 404
+        props = (await client.get("/props")).json()  # no key needed: it holds no secret
+        assert props["api_key_required"] is True and props["webui_bytes"] == 0
+        assert (await client.post("/v1/chat/completions", json={})).status_code == 401
 
-    aengine = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(tiny), threads=1, max_num_seqs=2)))
-    app = build_app(aengine, ServerSettings(served_model_names=[NAME], webui=False, api_key="k"))
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            assert (await client.get("/")).status_code == 404
-            assert (await client.get("/static/app.js")).status_code == 404
-            props = (await client.get("/props")).json()  # no key needed: it holds no secret
-            assert props["api_key_required"] is True and props["webui_bytes"] == 0
-            assert (await client.post("/v1/chat/completions", json={})).status_code == 401
-
-    try:
-        asyncio.run(go())
-    finally:
-        aengine.shutdown_sync(timeout=10)
+    serve_in_loop(tiny, scenario, settings={"webui": False, "api_key": "k"}, max_num_seqs=2)
 
 
 def test_latency_window_percentiles_and_expiry():

@@ -59,10 +59,11 @@ class Dashboard:
         self._prev: tuple[float, dict[str, Any], int, int] | None = None
         self.started = time.time()
 
-    def sample(self, now: float | None = None) -> dict[str, Any]:
-        """One sample: the engine's gauges now, and the rates since the previous sample."""
+    def sample(self, now: float | None = None, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One sample: the engine's gauges now (`stats`: an `LLMEngine.stats()` just read), and the rates since
+        the previous sample."""
         now = time.time() if now is None else now
-        s = self.engine.stats()
+        s = self.engine.stats() if stats is None else stats
         tokens, finished = self.metrics.tokens_streamed, self.metrics.requests_finished
         groups = s.get("kv_groups", [])
         out: dict[str, Any] = {
@@ -80,23 +81,16 @@ class Dashboard:
             out["batch_size"] = (s["num_step_seqs"] - s0["num_step_seqs"]) / steps if steps else 0.0
             out["tokens_per_step"] = (s["num_step_tokens"] - s0["num_step_tokens"]) / steps if steps else 0.0
             out["generation_tps"] = (tokens - tokens0) / dt
-            queries = s["prefix_cache_queries"] - s0["prefix_cache_queries"]
-            out["prefix_hit_rate"] = (s["prefix_cache_hits"] - s0["prefix_cache_hits"]) / queries if queries else None
-            if "spec_decode_num_drafts" in s:
-                drafts = s["spec_decode_num_drafts"] - s0["spec_decode_num_drafts"]
-                proposed = s["spec_decode_num_draft_tokens"] - s0["spec_decode_num_draft_tokens"]
-                accepted = s["spec_decode_num_accepted_tokens"] - s0["spec_decode_num_accepted_tokens"]
-                out["spec_acceptance_rate"] = accepted / proposed if proposed else None
-                out["spec_mean_accepted_length"] = 1 + accepted / drafts if drafts else None
+            out.update(_counter_rates(s, s0))
         self._prev = (now, s, tokens, finished)
         self.samples.append(out)
         return out
 
-    def maybe_sample(self) -> None:
+    def maybe_sample(self, stats: dict[str, Any] | None = None) -> None:
         """Sample when the last one is a period old (or there is none): a request for /stats keeps the history
         current even where the background task does not run (an app served without its lifespan)."""
         if not self.samples or time.time() - self.samples[-1]["t"] >= self.period:
-            self.sample()
+            self.sample(stats=stats)
 
     async def run(self) -> None:
         """Sample every `period` seconds until cancelled."""
@@ -107,9 +101,9 @@ class Dashboard:
     def snapshot(self, since: float | None = None) -> dict[str, Any]:
         """The JSON of GET /stats: totals now, the samples after `since` (all kept without it), the
         latency percentiles of the window."""
-        self.maybe_sample()
-        now = time.time()
         s = self.engine.stats()
+        self.maybe_sample(s)
+        now = time.time()
         samples = list(self.samples)
         if since is not None:
             samples = samples[bisect.bisect_right([x["t"] for x in samples], since):]
@@ -117,7 +111,6 @@ class Dashboard:
         for g in s.get("kv_groups", []):
             key = g["dtype"] if g["kind"] != "recent" else "float16 (recent-token rings)"
             bytes_by_dtype[key] = bytes_by_dtype.get(key, 0) + g["bytes_used"]
-        queries = s["prefix_cache_queries"]
         totals: dict[str, Any] = {
             "running": s["num_requests_running"], "waiting": s["num_requests_waiting"],
             "steps": s["num_steps"], "generation_tokens": self.metrics.tokens_streamed,
@@ -125,16 +118,27 @@ class Dashboard:
             "kv_usage": s["kv_cache_usage"], "kv_blocks_used": s["kv_blocks_used"], "kv_blocks_total": s["kv_blocks_total"],
             "kv_bytes_used": s.get("kv_cache_bytes_used", 0), "kv_bytes_total": s.get("kv_cache_bytes_total", 0),
             "kv_bytes_by_dtype": bytes_by_dtype, "kv_groups": s.get("kv_groups", []),
-            "prefix_cache_queries": queries, "prefix_cache_hits": s["prefix_cache_hits"],
-            "prefix_hit_rate": s["prefix_cache_hits"] / queries if queries else None,
+            "prefix_cache_queries": s["prefix_cache_queries"], "prefix_cache_hits": s["prefix_cache_hits"],
             "num_preemptions": s["num_preemptions"], "speculative": "spec_decode_num_drafts" in s,
+            **_counter_rates(s, {}),  # since start
         }
-        if totals["speculative"]:
-            drafts, proposed = s["spec_decode_num_drafts"], s["spec_decode_num_draft_tokens"]
-            accepted = s["spec_decode_num_accepted_tokens"]
-            totals["spec_acceptance_rate"] = accepted / proposed if proposed else None
-            totals["spec_mean_accepted_length"] = 1 + accepted / drafts if drafts else None
         return {"model": self.metrics.model_name, "time": now, "uptime_s": now - self.started,
                 "period_s": self.period, "window_s": self.window, "totals": totals, "samples": samples,
                 "latency": {"ttft": self.metrics.recent_ttft.summary(time.monotonic()),
                             "itl": self.metrics.recent_itl.summary(time.monotonic())}}
+
+
+def _counter_rates(s: dict[str, Any], s0: dict[str, Any]) -> dict[str, float | None]:
+    """The prefix cache's hit rate and, with speculation, the acceptance rate and the mean tokens a verification
+    step yields, over the counters' change from `s0` to `s` (`{}`: since start)."""
+    def d(key: str) -> int:
+        return s[key] - s0.get(key, 0)
+
+    queries = d("prefix_cache_queries")
+    out: dict[str, float | None] = {"prefix_hit_rate": d("prefix_cache_hits") / queries if queries else None}
+    if "spec_decode_num_drafts" in s:
+        drafts, proposed = d("spec_decode_num_drafts"), d("spec_decode_num_draft_tokens")
+        accepted = d("spec_decode_num_accepted_tokens")
+        out["spec_acceptance_rate"] = accepted / proposed if proposed else None
+        out["spec_mean_accepted_length"] = 1 + accepted / drafts if drafts else None
+    return out

@@ -70,4 +70,4 @@ class WebUI:
 
         @app.get("/static/{name}", include_in_schema=False)
         async def static(name: str, request: Request):
-            return self.response(name if name != "index.html" else "", request)
+            return self.response(name, request)

@@ -27,7 +27,7 @@ export class ChatView {
   defaults() {
     const d = (this.props && this.props.defaults) || {};
     return {temperature: d.temperature ?? 1, top_p: d.top_p ?? 1, top_k: d.top_k ?? 0,
-            max_tokens: d.max_tokens ?? null, seed: d.seed ?? null, system: "", api_key: this.settings?.api_key || ""};
+            max_tokens: d.max_tokens ?? null, seed: d.seed ?? null};
   }
 
   // ---------------------------------------------------------------- wiring
