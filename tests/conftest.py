@@ -163,6 +163,17 @@ def greedy_tokens(llm, prompts, max_tokens: int = 16) -> list[tuple[list[int], l
             for o in outs]
 
 
+def drafter(llm):
+    """The worker-side speculation of an engine whose worker runs in this process (`Drafter`: its proposer)."""
+    return llm.engine.executor.worker.drafter
+
+
+def proposer_state_gone(llm, per_seq: dict) -> bool:
+    """A proposer's per-sequence state `per_seq` (seq_id -> ...) holds only sequences whose end the workers
+    have not heard of yet (they hear at the next step: `SchedulerOutput.finished_seq_ids`)."""
+    return set(per_seq) <= set(llm.engine.scheduler._finished_ids)
+
+
 def check_equal(ref, got, tol: float) -> None:
     """The same tokens, and logprobs within `tol`."""
     assert len(ref) == len(got)

@@ -8,6 +8,7 @@ speculation; bad configurations fail before loading. The distribution test is te
 from __future__ import annotations
 
 import pytest
+from conftest import drafter, proposer_state_gone
 import torch
 
 from quant_tiny import build_tiny
@@ -71,7 +72,7 @@ def test_suffix_drafts_from_earlier_requests_outputs(tiny):
         assert _tokens(spec, prompts, greedy) == want
         accepted.append(counts["num_accepted_tokens"] - before)
     assert accepted[1] > accepted[0] + 40, accepted
-    assert spec.engine.scheduler.proposer.requests == {}  # per-request trees go with their sequences
+    assert proposer_state_gone(spec, drafter(spec).proposer.requests)  # per-request trees go with their sequences
 
 
 def test_end_token_inside_accepted_drafts_stops_there(tiny):
@@ -117,7 +118,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny):
     same penalties and min_tokens mask at each position, same noise (the generator rewound to the rows used)."""
     plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
     spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
-    spec.engine.scheduler.proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
+    drafter(spec).proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
     prompts = _prompts(len(SAMPLED), seed=5)
     for i, params in enumerate(SAMPLED):  # alone: each setting's own drafts are verified
         before = dict(spec.engine.scheduler.spec_counts)
@@ -135,7 +136,7 @@ def test_stop_strings_end_the_output_inside_accepted_drafts(tiny):
     """A stop string written by a token in the middle of a verified step ends the output at that token."""
     plain = LLM(tiny, kv_cache_memory=1 << 22, threads=2)
     spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=SPEC)
-    spec.engine.scheduler.proposer = GreedyOracle(plain)  # every draft accepted: stops fall inside steps
+    drafter(spec).proposer = GreedyOracle(plain)  # every draft accepted: stops fall inside steps
     prompts = _prompts(4, seed=3)
     ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     checked = 0
@@ -231,7 +232,7 @@ def test_preemption_and_n_siblings_with_speculation(tiny):
     blocks) and n = 2 siblings speculate after their fork: the seeded tokens stay those without speculation."""
     small = dict(kv_cache_memory=12 * 16 * 512, threads=2)  # 12 blocks of 16 tokens (float32, 512 B per token)
     plain, spec = LLM(tiny, **small), LLM(tiny, **small, speculative_config=SPEC)
-    spec.engine.scheduler.proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
+    drafter(spec).proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
     prompts = _prompts(6, seed=13)
     params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
@@ -269,7 +270,7 @@ def test_streaming_and_abort_with_speculation(tiny, config):
 
     spec = LLM(tiny, kv_cache_memory=1 << 22, threads=2, speculative_config=config)
     if config is SPEC:  # drafts that are always right: every step verifies several tokens
-        spec.engine.scheduler.proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
+        drafter(spec).proposer = GreedyOracle(LLM(tiny, kv_cache_memory=1 << 22, threads=2))
     prompts = _prompts(2, seed=31)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = _tokens(spec, prompts, params)  # (suffix: now its global tree holds these outputs)
@@ -303,4 +304,4 @@ def test_streaming_and_abort_with_speculation(tiny, config):
     assert partial[-1].outputs[0].token_ids == want[1][:len(partial[-1].outputs[0].token_ids)]
     assert not spec.engine.has_unfinished_requests() and spec.engine.kv_manager.num_used == 0
     if config is SUFFIX:
-        assert spec.engine.scheduler.proposer.requests == {}  # the aborted sequence's tree is gone
+        assert proposer_state_gone(spec, drafter(spec).proposer.requests)  # the aborted sequence's tree is gone

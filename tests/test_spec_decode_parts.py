@@ -72,7 +72,7 @@ def test_ngram_proposer_examples():
     assert make_proposer(SpeculativeConfig("ngram", 2)).propose(0, [1, 2, 1, 2], 2) == [1, 2]
     with pytest.raises(NotImplementedError, match="eagle"):
         make_proposer(SpeculativeConfig("eagle", 2))
-    with pytest.raises(InvalidRequestError, match="inside an engine"):
+    with pytest.raises(InvalidRequestError, match="inside a worker"):
         make_proposer(SpeculativeConfig("draft_model", 2, model="x"))
 
 

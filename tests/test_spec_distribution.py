@@ -18,12 +18,13 @@ from __future__ import annotations
 import collections
 
 import pytest
+from conftest import drafter
 import torch
 
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
 from turbollm.spec_decode.proposers import Proposer
-from turbollm.worker import model_runner
+from turbollm.worker import rejection
 
 pytestmark = pytest.mark.slow  # statistical runs of thousands of samples: the full tier (`make test`), not `make test-fast`
 
@@ -62,7 +63,7 @@ def engines(tmp_path_factory):
     firsts = [{"prompt_token_ids": PROMPT["prompt_token_ids"] + [t]} for t in range(vocab)]
     outs = plain.generate(firsts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     oracle = GreedyOracle({t: o.outputs[0].token_ids for t, o in enumerate(outs)}, len(PROMPT["prompt_token_ids"]))
-    spec.engine.scheduler.proposer = oracle
+    drafter(spec).proposer = oracle
     return plain, spec, oracle
 
 
@@ -105,7 +106,7 @@ def test_speculative_sampling_matches_the_targets_distribution(engines, name):
 def test_the_test_detects_a_sampler_that_sees_drafts_it_has_not_reached(engines, monkeypatch):
     """Control: verification rows whose penalties count every draft of the step (a history bug)."""
     plain, spec, _ = engines
-    monkeypatch.setattr(model_runner, "_verify_rows", lambda st, num_drafts: [st] * (num_drafts + 1))
+    monkeypatch.setattr(rejection, "verify_rows", lambda st, num_drafts: [st] * (num_drafts + 1))
     setting = SETTINGS["T=1,penalties"]
     p, categories = chi_square_p(_continuations(spec, setting), _continuations(plain, setting))
     assert p < 0.01, f"the broken sampler passed: p = {p:.2g} over {categories} categories"

@@ -13,6 +13,7 @@ import json
 import shutil
 
 import pytest
+from conftest import drafter, proposer_state_gone
 
 from quant_tiny import build_tiny
 from turbollm import LLM, SamplingParams
@@ -57,7 +58,7 @@ def test_target_drafting_for_itself_accepts_nearly_everything(models):
     assert _tokens(spec, prompts, greedy) == _tokens(plain, prompts, greedy)
     c = spec.engine.scheduler.spec_counts
     assert c["num_draft_tokens"] > 150 and c["num_accepted_tokens"] >= 0.95 * c["num_draft_tokens"], c
-    assert spec.engine.scheduler.proposer.runner.runner.states == {}  # the draft's states go with their sequences
+    assert proposer_state_gone(spec, drafter(spec).proposer.runner.runner.states)  # the draft's states go with their sequences
 
 
 def test_other_draft_is_token_exact_through_preemption_and_siblings(models):
@@ -129,5 +130,28 @@ def test_trimmed_head_is_the_first_rows_of_the_full_head(models):
     prompts = _prompts(4, seed=23)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert _tokens(spec, prompts, greedy) == _tokens(plain, prompts, greedy)
-    assert spec.engine.scheduler.proposer.runner.loaded.model.lm_head.vocab_size == 256
+    assert drafter(spec).proposer.runner.loaded.model.lm_head.vocab_size == 256
     assert spec.engine.scheduler.spec_counts["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("parallel", [{"distributed_executor_backend": "mp"}, {"tensor_parallel_size": 2}],
+                         ids=["mp", "tp2"])
+def test_draft_model_runs_in_the_worker_processes(models, parallel):
+    """The draft model runs where the target does (worker/drafter.py): in the worker process, and with tensor
+    parallelism on the rank that gives the output, loaded whole there. Outputs stay the target's alone under
+    the same executor; the engine's process loads no weights."""
+    kw = dict(kv_cache_memory=1 << 22, threads=2, **parallel)
+    plain = LLM(models["qwen"], **kw)
+    prompts = _prompts(4, seed=29)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = _tokens(plain, prompts, greedy)
+    plain.engine.shutdown()
+    spec = LLM(models["qwen"], **kw, speculative_config=_draft(models["noisy"], 3))
+    try:
+        assert _tokens(spec, prompts, greedy) == want
+        c = spec.engine.scheduler.spec_counts
+        assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
+        assert spec.engine.loaded is None and spec.engine.scheduler.propose_seconds > 0
+    finally:
+        spec.engine.shutdown()

@@ -188,10 +188,6 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1 and get_kv_policy(self.kv_policy).evicts:
             raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take pipeline_parallel_size > 1 yet "
                                       "(its attention scores would have to be summed over the stages)")
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None \
-                and self.speculative_config.method == "draft_model":
-            raise InvalidRequestError("tensor_parallel_size > 1 does not take a draft model yet (method 'ngram' or "
-                                      "'suffix' speculate without one)")
         if get_kv_policy(self.kv_policy).evicts:
             if self.speculative_config is not None:
                 raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take speculative decoding (verified "

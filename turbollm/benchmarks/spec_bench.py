@@ -113,19 +113,18 @@ def run_setting(args, config: dict | None, prompts: list[str], batch: int, max_t
 
 def step_cost_profile(args) -> dict[int, float]:
     """The target's decode-shaped step time by rows (the adaptive planner's start-up profile), in ms."""
-    from turbollm.core.kv_cache_manager import KVCacheManager
-    from turbollm.engine.step_profile import profile_step_costs
-    from turbollm.spec_decode.adaptive import StepCosts
     from turbollm import LLM
+    from turbollm.engine.step_profile import profile_step_costs
+    from turbollm.spec_decode.adaptive import AdaptivePlanner
 
-    kw = {k: v for k, v in vars(replace(args, speculative_config=None)).items() if k != "model"}
+    kw = {k: v for k, v in vars(replace(args, speculative_config=None, max_num_seqs=max(args.max_num_seqs, 16)))
+          .items() if k != "model"}
     llm = LLM(args.model, **kw)
     try:
         engine = llm.engine
-        costs = StepCosts(16)
-        kv = KVCacheManager.from_config(engine.kv_config, enable_caching=False)
-        profile_step_costs(engine.executor, kv, costs, engine.scheduler.next_seq_id(), rows=tuple(range(1, 9)) + (16,),
-                           repeats=5)
+        engine.scheduler.planner = planner = AdaptivePlanner(1, 16)  # what observes the steps' times
+        profile_step_costs(engine, rows=tuple(range(1, 9)) + (16,), steps=6)
+        costs = planner.costs
         return {r: round(costs.sums[r] / costs.weights[r] * 1000, 2) for r in sorted(costs.weights)}
     finally:
         llm.engine.shutdown()

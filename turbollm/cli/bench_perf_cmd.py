@@ -88,7 +88,7 @@ def run_bench_prefix(ns: argparse.Namespace) -> int:
     from turbollm.engine.llm_engine import LLMEngine
 
     args = engine_args_from(ns)
-    engine = LLMEngine(args)
+    engine = LLMEngine.from_engine_args(args)
     tok = engine.tokenizer
     texts = load_sharegpt_texts(ns.data_dir, 400)
     system: list[int] = []
@@ -107,7 +107,7 @@ def run_bench_prefix(ns: argparse.Namespace) -> int:
     del engine
     gc.collect()
     args.enable_prefix_caching = False
-    off = run_prefix_cache(LLMEngine(args), system, questions)
+    off = run_prefix_cache(LLMEngine.from_engine_args(args), system, questions)
     print_block("prefix caching off (control)", off)
     write_json(ns.json, {"setting": setting, "on": on, "off": off})
     return 0
@@ -222,7 +222,7 @@ def _batch_sweep(ns: argparse.Namespace, args, ceilings) -> dict:
         raise BenchmarkError("--batch-sweep measures turbollm only (drop --backend)")
     if any(b < 1 for b in ns.batch_sweep) or max(ns.batch_sweep) > ns.max_num_seqs:
         raise BenchmarkError(f"--batch-sweep sizes must be between 1 and --max-num-seqs ({ns.max_num_seqs})")
-    engine = LLMEngine(args)
+    engine = LLMEngine.from_engine_args(args)
     phys = physics_of_turbollm(engine.footprint, engine.config, kv_itemsize(engine))
     setting = {"benchmark": "throughput batch sweep", "model": model_setting(engine.resolved, engine.config, phys),
                "machine": machine_setting(ceilings), "engine_args": engine_setting(args),
@@ -258,7 +258,7 @@ def bench_latency(ns: argparse.Namespace) -> dict:
         raise BenchmarkError(f"--batch-size {ns.batch_size} exceeds --max-num-seqs {ns.max_num_seqs}")
     ceilings = ceilings_from(ns)
     args = engine_args_from(ns)
-    engine = LLMEngine(args)
+    engine = LLMEngine.from_engine_args(args)
     phys = physics_of_turbollm(engine.footprint, engine.config, kv_itemsize(engine))
     setting = {"benchmark": "latency", "model": model_setting(engine.resolved, engine.config, phys),
                "machine": machine_setting(ceilings),

@@ -208,7 +208,7 @@ def run_chat(ns: argparse.Namespace) -> int:
     from turbollm.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
-    engine = LLMEngine(engine_args_from(ns))
+    engine = LLMEngine.from_engine_args(engine_args_from(ns))
     if engine.tokenizer.chat_template is None:
         print(f"turbollm chat: {ns.model} has no chat template (a base model?); use `turbollm generate`",
               file=sys.stderr)

@@ -49,7 +49,7 @@ def run_generate(ns: argparse.Namespace) -> int:
                             min_p=ns.min_p, stop=ns.stop, logprobs=ns.logprobs, prompt_logprobs=ns.prompt_logprobs,
                             ignore_eos=ns.ignore_eos, seed=ns.seed)
     llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(engine_args_from(ns))
+    llm.engine = LLMEngine.from_engine_args(engine_args_from(ns))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not ns.json)
     dt = time.perf_counter() - t0

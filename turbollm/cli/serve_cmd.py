@@ -76,7 +76,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise SystemExit("turbollm serve: --max-waiting-requests must be >= 0")
     names = list(dict.fromkeys(ns.served_model_name + [ns.model]))  # the first one labels the metrics
-    aengine = AsyncLLMEngine(LLMEngine(engine_args_from(ns)))
+    aengine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args_from(ns)))
     settings = ServerSettings(served_model_names=names, api_key=ns.api_key,
                               max_waiting_requests=ns.max_waiting_requests,
                               max_request_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,

@@ -35,7 +35,8 @@ share them. A sequence whose blocks are held by newer sequences in flight ends t
 (no preemption, no admission) and takes them once those steps are back. A block freed
 while a step that used it is in flight (an aborted request) may go to a later step at once: every
 stage runs the steps in order, so the later step's writes come after the earlier one's.
-The speculative-decoding side (drafts per decode, the adaptive planner) is `scheduler_spec.py`'s.
+The speculative-decoding side (room for drafts, verifying the drafts the workers proposed, the adaptive
+planner) is `scheduler_spec.py`'s; the proposers run on the worker side.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from turbollm.core.sequence import Sequence, SequenceStatus
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.handoff.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
-from turbollm.spec_decode.proposers import Proposer
 
 
 @dataclass
@@ -69,11 +69,32 @@ class SchedulerUpdate:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # sampling raised for these
 
 
+@dataclass
+class _Step:
+    """A step being put together: what goes to the workers, the token budget left, the sequences taken with their
+    new tokens (drafts included) and the (group, table position) of the entries replaced in their tables
+    (copied on write, or released out of a sliding window), and the drafts each decode verifies."""
+
+    out: SchedulerOutput
+    budget: int
+    per_step: int  # the most sequences it takes
+    chosen: list[tuple[Sequence, int, list[tuple[int, int]]]] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or len(self.chosen) >= self.per_step
+
+    def take(self, seq: Sequence, n: int, replaced: list[tuple[int, int]]) -> None:
+        self.chosen.append((seq, n, replaced))
+        self.budget -= n
+
+
 class Scheduler(SpeculationPlanning):
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None, proposer: Proposer | None = None, num_spec_tokens: int = 0):
+                 max_model_len: int | None = None, num_spec_tokens: int = 0, drafts_write_kv: bool = False):
         self.kv, self.block_size = kv, kv.block_size
-        self._init_speculation(proposer, num_spec_tokens)
+        self._init_speculation(num_spec_tokens, drafts_write_kv)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -121,8 +142,7 @@ class Scheduler(SpeculationPlanning):
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self._released.pop(seq.seq_id, None)  # the workers clear its tables
-        if self.proposer is not None:
-            self.proposer.preempted(seq.seq_id)
+        seq.spec_token_ids = []
         if seq.known_to_workers:
             out.preempted_seq_ids.append(seq.seq_id)
             self._resumed.add(seq.seq_id)
@@ -131,100 +151,27 @@ class Scheduler(SpeculationPlanning):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_ids, preempted_seq_ids=self._preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
-        chosen: list[tuple[Sequence, int, list[tuple[int, int]]]] = []  # (sequence, new tokens, (group, table
-        # position) of the entries replaced: copied on write, or released out of a sliding window)
-        budget = self.max_num_batched_tokens
-        drafts: dict[int, list[int]] = {}
         running = [s for s in self.running if s.seq_id not in self.in_flight]
         # sequences a step takes: its share of those that can run at once
         per_step = -(-min(len(self.running) + len(self.waiting), self.max_num_seqs) // self.max_steps_in_flight)
+        step = _Step(out, self.max_num_batched_tokens, per_step)
         for seq in running:  # every running sequence returns the blocks its windows passed, scheduled or not
             released = self.kv.release_out_of_window(seq)
             if released:
                 self._released.setdefault(seq.seq_id, []).extend(released)
-        plan = self._plan(running) if self.proposer is not None and self.planner is not None else None
-        held_back = False  # a sequence waits for blocks held in steps in flight
+        plan = self._plan(running) if self.speculates else None
+        held_back = False  # a sequence waits for blocks held in steps in flight: no admission either
         for idx, seq in enumerate(running):
-            if seq not in self.running or budget == 0 or len(chosen) == per_step:
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0:
-                continue
-            k = 0
-            if n == 1 and self.proposer is not None:
-                # rows left for drafts: the tokens scheduled so far and one per running sequence after this one
-                rows = self.max_num_batched_tokens - budget + (len(running) - idx - 1)
-                k = self._draft_limit(seq, min(budget, ROW_INVARIANT_ROWS - rows) - 1)
-                if plan is not None:
-                    k = min(k, plan.get(seq.seq_id, 0))
-                if k and not self.proposer.needs_blocks:
-                    d = self._propose(seq, k)
-                    k = 0
-                    if d:
-                        drafts[seq.seq_id] = d
-                        n += len(d)
-                else:  # blocks for k drafts first (k may be 0): the proposer writes their K/V
-                    n += k
-            replaced = self._released.pop(seq.seq_id, [])
-            shared = self.kv.shared_write_block(seq)
-            need = self.kv.blocks_needed(seq, n) + (shared is not None)
-            if (k or seq.seq_id in drafts) and not self.kv.can_allocate(need):  # drafts preempt no one
-                n, k = 1, 0
-                drafts.pop(seq.seq_id, None)
-                need = self.kv.blocks_needed(seq, n) + (shared is not None)
-            if not self.kv.can_allocate(need) and self._newer_in_flight(seq):
-                # newer sequences hold blocks in steps still out: the step ends here (no preemption, no newer
-                # sequence, no admission: the blocks stay for it), and it takes them once those steps are back
-                drafts.pop(seq.seq_id, None)
-                if replaced:
-                    self._released[seq.seq_id] = replaced + self._released.get(seq.seq_id, [])
+            if seq in self.running and not step.full and not self._continue(seq, step, len(running) - idx - 1):
                 held_back = True
                 break
-            # (no newer sequence is in flight here: each may be preempted)
-            while not self.kv.can_allocate(need) and self.running[-1] is not seq:
-                self._preempt(self.running[-1], out)
-            if not self.kv.can_allocate(need):
-                drafts.pop(seq.seq_id, None)
-                if self.running[0] is seq:  # alone, and still too big: it can never run
-                    self._drop(seq, out)
-                else:
-                    self._preempt(seq, out)
-                continue
-            if shared is not None:
-                for group, src, dst in self.kv.copy_on_write(seq, shared):
-                    out.copy_blocks.append((group, src, dst))
-                    replaced.append((group, shared))
-            self.kv.grow(seq, n)
-            if k:
-                d = self._propose(seq, k)
-                n -= k - len(d)  # the blocks of drafts not made stay with the sequence for its next tokens
-                if d:
-                    drafts[seq.seq_id] = d
-            chosen.append((seq, n, replaced))
-            budget -= n
-        while not held_back and self.waiting and budget > 0 and len(chosen) < per_step \
-                and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
-            seq = self.waiting[0]
-            self.kv.take_cached_prefix(seq)
-            self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.can_allocate(self.kv.blocks_needed(seq, n)):
-                self.kv.free(seq)
-                seq.num_computed_tokens = 0
-                if self.running:  # blocks come back as the running sequences finish
-                    break
-                self._drop(seq, out)  # the whole pool is free and still too small
-                continue
-            self.waiting.popleft()
-            self.kv.count_admitted(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.kv.grow(seq, n)
-            chosen.append((seq, n, []))
-            budget -= n
-        for seq, n, replaced in chosen:
-            d = drafts.get(seq.seq_id)
-            self._describe(seq, n - len(d) if d else n, replaced, out)
+        if not held_back:
+            self._admit(step)
+        for seq, n, replaced in step.chosen:
+            d = step.drafts.get(seq.seq_id, [])
+            if self.speculates:
+                self._reserve_room(seq, n, len(d), plan, out)
+            self._describe(seq, n - len(d), replaced, out)
             if d:
                 out.scheduled_token_ids[seq.seq_id] = out.scheduled_token_ids[seq.seq_id] + d
                 out.spec_token_ids[seq.seq_id] = d
@@ -235,6 +182,75 @@ class Scheduler(SpeculationPlanning):
             self._preempted_ids = out.preempted_seq_ids + self._preempted_ids
             out.finished_seq_ids, out.preempted_seq_ids = [], []
         return out
+
+    def _continue(self, seq: Sequence, step: "_Step", num_after: int) -> bool:
+        """Put running `seq`'s next tokens (and the drafts it verifies) into `step`, preempting newer sequences for
+        blocks if need be; False when it must wait for blocks held by steps in flight (the step ends there).
+        `num_after`: running sequences after it (a row each, for the drafts' row limit)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+        if n <= 0:
+            return True
+        if n == 1 and seq.spec_token_ids:
+            # rows left for drafts: the tokens scheduled so far and one per running sequence after this one
+            rows = self.max_num_batched_tokens - step.budget + num_after
+            d = seq.spec_token_ids[:self._draft_limit(seq, min(step.budget, ROW_INVARIANT_ROWS - rows) - 1)]
+            if d:
+                step.drafts[seq.seq_id] = d
+                n += len(d)
+        replaced = self._released.pop(seq.seq_id, [])
+        shared = self.kv.shared_write_block(seq)
+        need = self.kv.blocks_needed(seq, n) + (shared is not None)
+        if seq.seq_id in step.drafts and not self.kv.can_allocate(need):  # drafts preempt no one
+            n = 1
+            step.drafts.pop(seq.seq_id)
+            need = self.kv.blocks_needed(seq, n) + (shared is not None)
+        if not self.kv.can_allocate(need) and self._newer_in_flight(seq):
+            # newer sequences hold blocks in steps still out: the step ends here (no preemption, no newer
+            # sequence, no admission: the blocks stay for it), and it takes them once those steps are back
+            step.drafts.pop(seq.seq_id, None)
+            if replaced:
+                self._released[seq.seq_id] = replaced + self._released.get(seq.seq_id, [])
+            return False
+        # (no newer sequence is in flight here: each may be preempted)
+        while not self.kv.can_allocate(need) and self.running[-1] is not seq:
+            self._preempt(self.running[-1], step.out)
+        if not self.kv.can_allocate(need):
+            step.drafts.pop(seq.seq_id, None)
+            if self.running[0] is seq:  # alone, and still too big: it can never run
+                self._drop(seq, step.out)
+            else:
+                self._preempt(seq, step.out)
+            return True
+        if shared is not None:
+            for group, src, dst in self.kv.copy_on_write(seq, shared):
+                step.out.copy_blocks.append((group, src, dst))
+                replaced.append((group, shared))
+        self.kv.grow(seq, n)
+        step.take(seq, n, replaced)
+        return True
+
+    def _admit(self, step: "_Step") -> None:
+        """Admit waiting sequences, oldest first, while the step's budget, the sequence cap and free blocks allow
+        (each first takes what the prefix cache holds of it)."""
+        while self.waiting and not step.full \
+                and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
+            seq = self.waiting[0]
+            self.kv.take_cached_prefix(seq)
+            self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
+            n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if not self.kv.can_allocate(self.kv.blocks_needed(seq, n)):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                if self.running:  # blocks come back as the running sequences finish
+                    break
+                self._drop(seq, step.out)  # the whole pool is free and still too small
+                continue
+            self.waiting.popleft()
+            self.kv.count_admitted(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.kv.grow(seq, n)
+            step.take(seq, n, [])
 
     def _newer_in_flight(self, seq: Sequence) -> bool:
         """Whether a running sequence newer than `seq` is in a step still in flight (not to be preempted)."""
@@ -269,10 +285,6 @@ class Scheduler(SpeculationPlanning):
         if c + n == seq.num_tokens and seq.pending_forks:
             out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
 
-    def finish_scratch(self, seq_id: int) -> None:
-        """A sequence the engine ran on the workers outside the scheduler (a profile): they drop it next step."""
-        self._finished_ids.append(seq_id)
-
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
         self._dequeue(seq)
@@ -292,8 +304,6 @@ class Scheduler(SpeculationPlanning):
         """Remove a finished (or aborted, or failed) sequence and return its blocks."""
         self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
-        if self.proposer is not None and seq.seq_id in self.seqs:
-            self.proposer.finish(seq.seq_id, seq.output_token_ids)
         if self.planner is not None:
             self.planner.forget(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
@@ -309,9 +319,11 @@ class Scheduler(SpeculationPlanning):
         self.returned(sched)
         for sid, tokens in sched.scheduled_token_ids.items():
             seq = self.seqs.get(sid)
-            if seq is not None and sid not in sched.spec_token_ids:
-                seq.num_computed_tokens += len(tokens)
-                self.kv.cache_computed_blocks(seq)
+            if seq is not None:
+                seq.spec_token_ids = out.draft_token_ids.get(sid, [])
+                if sid not in sched.spec_token_ids:
+                    seq.num_computed_tokens += len(tokens)
+                    self.kv.cache_computed_blocks(seq)
         for sid, plp in out.prompt_logprobs.items():
             if sid in self.seqs:
                 updates.setdefault(sid, SeqUpdate(self.seqs[sid])).prompt_logprobs = plp
@@ -336,13 +348,7 @@ class Scheduler(SpeculationPlanning):
                 # a verified step: its last token and the accepted drafts now have K/V (the final
                 # sampled token does not yet); rejected drafts' slots are rewritten later
                 seq.num_computed_tokens += len(sampled)
-                self.spec_counts["num_drafts"] += 1
-                self.spec_counts["num_draft_tokens"] += len(sched.spec_token_ids[sid])
-                self.spec_counts["num_accepted_tokens"] += len(sampled) - 1
-                if self.planner is not None:
-                    self.planner.record(sid, len(sched.spec_token_ids[sid]), len(sampled) - 1)
-                for pos in range(len(sampled) - 1):
-                    self.spec_accepted_per_pos[pos] += 1
+                self._record_verified(seq, len(sched.spec_token_ids[sid]), len(sampled) - 1)
             for token in sampled:
                 seq.output_token_ids.append(token.token_id)
                 update.tokens.append(token)

@@ -57,6 +57,8 @@ class Sequence:
     evicted_blocks: int = 0
     kv_score_state: object = None
     pending_evictions: list[int] = field(default_factory=list)
+    # speculative decoding: the draft tokens the workers proposed after its last step, for its next one
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ loader reads only their tensors (`holds_weight`). The collectives and sends run 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 
@@ -82,6 +83,18 @@ def get_tp() -> ParallelState:
 def set_tp(state: ParallelState) -> None:
     global _STATE
     _STATE = state
+
+
+@contextlib.contextmanager
+def single_rank():
+    """Build a model whole in a rank of a parallel engine (a draft model, unsharded, on the rank that drafts):
+    layers read the parallel state when they are built, so inside this block they keep every weight."""
+    saved = _STATE
+    set_tp(ParallelState())
+    try:
+        yield
+    finally:
+        set_tp(saved)
 
 
 def divide(n: int, parts: int) -> int:

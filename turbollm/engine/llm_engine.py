@@ -37,7 +37,7 @@ import torch
 
 from turbollm.core.kv_cache_manager import KVCacheManager
 from turbollm.core.kv_policy import get_kv_policy
-from turbollm.core.kv_sizing import default_kv_budget, kv_config_for_model, kv_config_from_budget
+from turbollm.core.kv_sizing import batched_tokens, kv_config_for_model, size_kv_cache
 from turbollm.core.scheduler import Scheduler
 from turbollm.core.sequence import Sequence
 from turbollm.distributed.launch import torchrun_rank
@@ -49,6 +49,7 @@ from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
 from turbollm.executor import get_executor_class
 from turbollm.executor.torchrun import run_worker
+from turbollm.handoff.kv_cache_spec import KVCacheConfig
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.kernels.forms import resolve_form
 from turbollm.loader import LoadedModel, describe_model, load_model
@@ -58,143 +59,97 @@ from turbollm.sampling_params import SamplingParams
 from turbollm.spec_decode.adaptive import AdaptivePlanner
 from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.draft_model import check_draft_model
-from turbollm.spec_decode.proposers import ProposerContext, make_proposer
-from turbollm.worker.draft_runner import DraftRunner
+from turbollm.spec_decode.proposers import drafts_write_kv
 from turbollm.worker.malloc_tuning import tune_malloc
 
 logger = init_logger()
 
 
 class LLMEngine:
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> "LLMEngine":
+        """The entry points' way in: the engine, or on a rank above 0 that torchrun started, that rank's worker
+        loop (a worker of rank 0's engine) until rank 0 stops it; the process then exits."""
+        if args.distributed_executor_backend == "torchrun" and torchrun_rank():
+            raise SystemExit(0 if run_worker() else 1)
+        return cls(args, loaded)
+
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
         if args.distributed_executor_backend == "torchrun" and torchrun_rank():
-            ok = run_worker()  # a rank > 0 that torchrun started: a worker of rank 0's engine, until it stops
-            raise SystemExit(0 if ok else 1)
+            raise RuntimeError(f"torchrun rank {torchrun_rank()} runs a worker of rank 0's engine, not an engine: "
+                               "build it with LLMEngine.from_engine_args (as LLM and the CLI do)")
         if args.world_size == 1 and torchrun_rank() is not None:
             logger.warning("torchrun started %s processes, but tensor_parallel_size x pipeline_parallel_size is 1: "
                            "each process runs an engine of its own", os.environ.get("WORLD_SIZE"))
-        self.args = args
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
-        spec = args.speculative_config
-        draft = spec is not None and spec.method == "draft_model"
-        kv_policy = get_kv_policy(args.kv_policy)
-        uni = args.distributed_executor_backend == "uni"
-        # the model's config and tokenizer without its weights, read once, where something needs them
-        # before (or instead of) loading: the checks below, or worker processes that load it themselves
-        desc = loaded
-        if desc is None and (draft or kv_policy.evicts or not uni):
-            desc = describe_model(args.model, quantization=args.quantization)
-        if draft:  # a draft that cannot serve fails before any load
-            check_draft_model(spec.model, desc, spec.quantization)
-        if kv_policy.evicts:  # a model the policy cannot take fails before loading
-            kv_config_for_model(desc.config, 1, args.block_size, policy=args.kv_policy_config())
-        if uni:
-            if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
-                torch.set_num_threads(args.threads)
-            loaded = loaded or load_model(args.model, quantization=args.quantization)
-            desc = loaded
-        elif loaded is not None:  # the workers load the weights; this process needs the config and the tokenizer
-            raise InvalidRequestError("a model loaded in this process cannot be handed to a worker process; "
-                                      "pass the model's name (the worker loads it)")
+        desc, loaded, draft_desc = self._read_model(args, loaded)
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved
-        tp = args.tensor_parallel_size
-        check_tensor_parallel(self.config, tp)
+        check_tensor_parallel(self.config, args.tensor_parallel_size)
         if args.pipeline_parallel_size > 1:  # the stages' layers, resolved once: every rank reads the same
             stages = partition_layers(self.config, args.pipeline_parallel_size, args.pp_layer_partition)
-            self.args = args = dataclasses.replace(args, pp_layer_partition=[len(r) for r in stages])
+            args = dataclasses.replace(args, pp_layer_partition=[len(r) for r in stages])
             logger.info("pipeline parallelism: %d stages of %s layers", len(stages), "+".join(str(len(r)) for r in stages))
-        # the KV cache is described per rank: each rank keeps its share of the KV heads (all of them when
-        # there are fewer heads than ranks: each is then kept by several ranks)
-        kv_model = self.config if tp == 1 else dataclasses.replace(
-            self.config, num_kv_heads=max(1, self.config.num_kv_heads // tp))
-        policy = args.kv_policy_config()
-        trained = self.config.max_position_embeddings
-        if kv_policy.releases_all:  # every position meets keys at most a window away
-            model_len = args.max_model_len or trained
-        else:
-            model_len = min(args.max_model_len or trained, trained)
-        kv_dtype = args.kv_torch_dtype(self.quantization)
-        budget = args.kv_cache_bytes() // tp  # the budget is the whole engine's: each rank holds its share
-        spec_tokens = spec.num_speculative_tokens if spec is not None else 0  # drafts' blocks (window caps)
-        if args.kv_cache_memory is None:  # never more than max_num_seqs sequences of the full context
-            budget = min(budget, default_kv_budget(kv_model, kv_dtype, args.block_size, model_len,
-                                                   args.max_num_seqs, policy, self._batched_tokens(args),
-                                                   spec_tokens, args.kv_recent_window or 0))
+        self.args = args
         # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
                      args.qmatmul, resolve_form(args.kernel_form))).encode()
-        self.kv_config = kv_config_from_budget(kv_model, budget, args.block_size, kv_dtype, salt,
-                                               policy, args.max_num_seqs, self._batched_tokens(args),
-                                               spec_tokens, args.kv_recent_window or 0)
+        self.kv_config, self.max_model_len = size_kv_cache(args, self.config, args.kv_torch_dtype(self.quantization),
+                                                           salt)
         # an evicted table no longer matches its prompt's block keys: no prefix caching under eviction
-        caching = args.enable_prefix_caching and not kv_policy.evicts
-        self.kv_manager = KVCacheManager.from_config(self.kv_config, enable_caching=caching)
-        held = self.kv_config.num_tokens
-        logger.info("KV cache: %s, %.0f MiB (%s; %s; prefix caching %s)",
-                    f"{self.kv_config.num_blocks} blocks of {args.block_size} tokens = {held} tokens" if held
-                    else "sequences of any length at flat memory" if kv_policy.releases_all
-                    else "each sequence within its budget", self.kv_config.total_bytes / (1 << 20),
-                    self.kv_config.format_name, self.kv_config.describe(),
-                    "on" if caching else f"off: kv_policy {policy.name!r} evicts" if kv_policy.evicts else "off")
-        if self.kv_config.recent_slots and held is not None:
-            float16 = kv_config_for_model(kv_model, 1, args.block_size, torch.float16).bytes_per_token
-            logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "
-                        "the tokens float16 K/V would hold in the same budget", args.kv_cache_dtype,
-                        self.kv_config.bytes_per_token, args.kv_recent_window, self.kv_config.recent_slots,
-                        float16 * self.kv_config.num_tokens / max(1, self.kv_config.total_bytes))
-        self._check_one_sequence_fits(args, spec_tokens, model_len)
-        if held is not None and model_len > held:
-            # One sequence must always fit the pool alone, or it would preempt itself forever.
-            logger.warning("max_model_len %d is more than the KV cache holds: capped to %d tokens (raise "
-                           "kv_cache_memory for the full context)", model_len, self.kv_config.num_tokens)
-            model_len = self.kv_config.num_tokens
-        self.max_model_len = model_len
-        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, self._batched_tokens(args), model_len,
-                                   None, spec.num_speculative_tokens if spec is not None else 0)
-        self.executor = executor_cls(args, self.kv_config, loaded)
-        if spec is not None:
-            self.scheduler.proposer = make_proposer(spec, ProposerContext(
-                args, self.kv_config, block_table=lambda seq_id: self.scheduler.seqs[seq_id].block_tables[0],
-                make_draft_runner=lambda config: self._load_draft(config, args)))
-            if spec.adaptive:  # the target's step cost by rows, measured now; then every step refines it
-                self.scheduler.planner = AdaptivePlanner(spec.num_speculative_tokens, ROW_INVARIANT_ROWS)
-                scratch = profile_step_costs(self.executor, self.kv_manager, self.scheduler.planner.costs,
-                                             self.scheduler.next_seq_id())
-                self.scheduler.finish_scratch(scratch)
-                self.scheduler.planner.profile_seq_id = scratch
+        self.kv_manager = KVCacheManager.from_config(
+            self.kv_config, enable_caching=args.enable_prefix_caching and not get_kv_policy(args.kv_policy).evicts)
+        spec = args.speculative_config
+        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, batched_tokens(args), self.max_model_len,
+                                   spec.num_speculative_tokens if spec is not None else 0,
+                                   spec is not None and drafts_write_kv(spec))
+        self.executor = executor_cls(args, self.kv_config, loaded, self._draft_kv_config(draft_desc))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
         # steps handed to the executor and not yet collected, with when each went (pipeline stages: several)
         self.scheduler.max_steps_in_flight = self.executor.max_steps_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self.step_counts = [0, 0, 0]  # steps collected, sequences and tokens they computed (stats())
-
-    def _load_draft(self, config, args: EngineArgs) -> DraftRunner:
-        """The draft model's runner, its K/V sized here with the target pool's number of blocks."""
-        kv = self.kv_config
-        return DraftRunner.load(config, args, kv,
-                                lambda cfg, dtype: kv_config_for_model(cfg, kv.num_blocks, kv.block_size, dtype))
-
-    def _check_one_sequence_fits(self, args: EngineArgs, spec_tokens: int, model_len: int) -> None:
-        """A group that releases blocks must hold one sequence's window alone (else a long sequence would
-        preempt itself forever), or its whole context when that is shorter; a group that keeps every block
-        bounds max_model_len instead."""
-        for g, group in enumerate(self.kv_config.groups):
-            need = group.spec.max_blocks(1, self._batched_tokens(args), spec_tokens)
-            if need is not None:  # a sequence alone never copies on write: its whole context at most
-                need = min(need, -(-model_len // args.block_size))
-            if need is not None and self.kv_config.blocks_of(g) < need and self.kv_config.num_tokens is None:
-                raise InvalidRequestError(
-                    f"kv_cache_memory holds {self.kv_config.blocks_of(g)} blocks for the {group.spec.kind} layers but "
-                    f"one sequence needs {need}: raise kv_cache_memory or lower kv_window / kv_budget / "
-                    "max_num_batched_tokens")
+        if spec is not None and spec.adaptive:  # the target's step cost by rows, measured now; every step refines it
+            self.scheduler.planner = AdaptivePlanner(spec.num_speculative_tokens, ROW_INVARIANT_ROWS)
+            profile_step_costs(self)
+            self.step_counts = [0, 0, 0]
 
     @staticmethod
-    def _batched_tokens(args: EngineArgs) -> int:
-        """The scheduler's token budget per step (at least a block)."""
-        return max(args.max_num_batched_tokens, args.block_size)
+    def _read_model(args: EngineArgs, loaded: LoadedModel | None):
+        """(the model's description, the model loaded in this process or None, the draft model's description or
+        None). The config and tokenizer are read without the weights where something needs them before (or
+        instead of) loading: the checks of a draft model and of an evicting KV policy, which fail before any
+        load, or worker processes that load the weights themselves."""
+        spec = args.speculative_config
+        draft = spec is not None and spec.method == "draft_model"
+        evicts = get_kv_policy(args.kv_policy).evicts
+        uni = args.distributed_executor_backend == "uni"
+        desc = loaded
+        if desc is None and (draft or evicts or not uni):
+            desc = describe_model(args.model, quantization=args.quantization)
+        draft_desc = check_draft_model(spec.model, desc, spec.quantization) if draft else None
+        if evicts:  # a model the policy cannot take
+            kv_config_for_model(desc.config, 1, args.block_size, policy=args.kv_policy_config())
+        if uni:
+            if args.threads:  # before loading: load-time work (dequantizing, quantizing) uses them too
+                torch.set_num_threads(args.threads)
+            loaded = loaded or load_model(args.model, quantization=args.quantization)
+            return loaded, loaded, draft_desc
+        if loaded is not None:  # the workers load the weights; this process needs the config and the tokenizer
+            raise InvalidRequestError("a model loaded in this process cannot be handed to a worker process; "
+                                      "pass the model's name (the worker loads it)")
+        return desc, None, draft_desc
+
+    def _draft_kv_config(self, draft_desc) -> KVCacheConfig | None:
+        """A draft model's K/V: the target pool's number of blocks (it is addressed through the target's tables),
+        in the target's float dtype (float16 beside a quantized target format)."""
+        if draft_desc is None:
+            return None
+        kv = self.kv_config
+        dtype = kv.dtype if kv.dtype.is_floating_point else torch.float16
+        return kv_config_for_model(draft_desc.config, kv.num_blocks, kv.block_size, dtype)
 
     @property
     def loaded(self) -> LoadedModel | None:
@@ -279,7 +234,7 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions, "kv_evicted_blocks": pool.num_evicted_blocks,
             "num_steps": self.step_counts[0], "num_step_seqs": self.step_counts[1],
             "num_step_tokens": self.step_counts[2], "kv_groups": self._kv_group_stats(),
-            **(self._spec_stats() if sched.proposer is not None else {}),
+            **(self._spec_stats() if sched.speculates else {}),
         }
 
     def _kv_group_stats(self) -> list[dict[str, int | str]]:
@@ -336,7 +291,7 @@ class LLMEngine:
             out = self.executor.collect()
         finally:
             self.scheduler.returned(sched)
-        self.scheduler.observe_step(sched, time.perf_counter() - t0)
+        self.scheduler.observe_step(sched, out, time.perf_counter() - t0)
         self.step_counts[0] += 1
         self.step_counts[1] += len(sched.scheduled_token_ids)
         self.step_counts[2] += sum(map(len, sched.scheduled_token_ids.values()))

@@ -81,11 +81,11 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine(args))
+        return cls(LLMEngine.from_engine_args(args))
 
     @classmethod
     def from_model(cls, model: str = "smollm2-135m", **engine_args: Any) -> "AsyncLLMEngine":
-        return cls(LLMEngine(EngineArgs.from_kwargs(model, **engine_args)))
+        return cls(LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_args)))
 
     # ---------------------------------------------------------------- public API
     @property

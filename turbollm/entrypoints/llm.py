@@ -21,7 +21,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", **engine_args: Any):
-        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_args))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

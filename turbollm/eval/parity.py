@@ -152,7 +152,7 @@ def run_parity(loaded: LoadedModel, prompts: dict[str, str], gen_tokens: int = 3
     tok = loaded.tokenizer
     id_lists = {name: tok.encode(text) for name, text in prompts.items()}
     batched = dict(zip(id_lists, score(loaded, list(id_lists.values()))))
-    engine = LLMEngine(EngineArgs(model=str(loaded.resolved.path), kv_cache_memory=256 << 20,
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(loaded.resolved.path), kv_cache_memory=256 << 20,
                                   max_num_batched_tokens=128, kv_cache_dtype="float32"), loaded=loaded)
     report = ParityReport(loaded.resolved.name)
     for name, ids in id_lists.items():

@@ -22,10 +22,12 @@ class WorkerDiedError(ExecutorError):
 class Executor(ABC):
     """Owns the workers: starts them (each loads the model and allocates its KV storage), runs every
     step on them, stops them. `loaded` is a model already loaded in this process, for executors
-    whose worker runs here."""
+    whose worker runs here; `draft_kv_config`: a draft model's K/V (speculative decoding), for the worker
+    that drafts."""
 
-    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None):
-        self.args, self.kv_config = args, kv_config
+    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None,
+                 draft_kv_config: KVCacheConfig | None = None):
+        self.args, self.kv_config, self.draft_kv_config = args, kv_config, draft_kv_config
         self.footprint = None  # the workers' ModelFootprint, set once they have loaded the model
         self._submitted: deque[SchedulerOutput] = deque()  # steps handed out, not yet collected
 

@@ -50,14 +50,15 @@ POLL_S = 1.0
 HANG_GRACE_S = 2.0  # after a rank fails a step's collectives, how long the others may take to answer
 
 
-def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=None, shm_files=None) -> None:
+def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=None, shm_files=None,
+                 draft_kv_config=None) -> None:
     """The worker process: build the worker, then run steps until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from turbollm.worker.worker import Worker
 
         worker = Worker(args, kv_config, rank=rank, init_method=init_method, sampler_seed=sampler_seed,
-                        shm_files=shm_files)
+                        shm_files=shm_files, draft_kv_config=draft_kv_config)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", 0, traceback.format_exc()))
         return
@@ -140,8 +141,8 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, args, kv_config, loaded=None):
-        super().__init__(args, kv_config, loaded)
+    def __init__(self, args, kv_config, loaded=None, draft_kv_config=None):
+        super().__init__(args, kv_config, loaded, draft_kv_config)
         ctx = mp.get_context("spawn")
         n, tp = args.world_size, args.tensor_parallel_size
         # the ranks' rendezvous (a free local port) and their samplers' common seed
@@ -155,8 +156,8 @@ class MultiprocExecutor(Executor):
         self._procs, self._conns = [], []
         for rank in range(n):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, args, kv_config, rank, init_method, seed, shm),
-                               name=f"turbollm-worker-{rank}", daemon=True)
+            proc = ctx.Process(target=_worker_main, name=f"turbollm-worker-{rank}", daemon=True,
+                               args=(child, args, kv_config, rank, init_method, seed, shm, draft_kv_config))
             proc.start()
             child.close()
             self._procs.append(proc)

@@ -35,14 +35,14 @@ logger = init_logger()
 
 
 class TorchrunExecutor(Executor):
-    def __init__(self, args, kv_config, loaded=None):
+    def __init__(self, args, kv_config, loaded=None, draft_kv_config=None):
         from turbollm.worker.worker import Worker
 
-        super().__init__(args, kv_config, loaded)
+        super().__init__(args, kv_config, loaded, draft_kv_config)
         self._group = join_control_group()
         world = dist.get_world_size()
         if world != args.world_size:
-            broadcast((None, None, None), self._group)  # the workers stop (they cannot build a worker)
+            broadcast((None, None, None, None), self._group)  # the workers stop (they cannot build a worker)
             dist.destroy_process_group()
             raise ExecutorError(f"torchrun started {world} processes, but tensor_parallel_size "
                                 f"{args.tensor_parallel_size} x pipeline_parallel_size {args.pipeline_parallel_size} "
@@ -51,14 +51,14 @@ class TorchrunExecutor(Executor):
             logger.warning("ranks torchrun started run a step at a time: pp_steps_in_flight %d is not used",
                            args.pp_steps_in_flight)
         seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(62)
-        broadcast((args, kv_config, seed), self._group)
+        broadcast((args, kv_config, seed, draft_kv_config), self._group)
         self._out_rank = args.world_size - args.tensor_parallel_size
         self._broken: str | None = None
         self._closed = False
         self._job: _Round | None = None  # the latest round given to the rounds' thread
         failure = None
         try:
-            self.worker = Worker(args, kv_config, rank=0, sampler_seed=seed)
+            self.worker = Worker(args, kv_config, rank=0, sampler_seed=seed, draft_kv_config=draft_kv_config)
             mine = ("ok", (self.worker.footprint(), whereabouts()))
         except BaseException as e:  # noqa: BLE001 - the others still answer the gather
             mine, failure = ("error", repr(e)), e
@@ -257,12 +257,12 @@ def run_worker() -> bool:
     group = join_control_group()
     rank = dist.get_rank()
     beat = Heartbeat(rank)
-    args, kv_config, seed = broadcast(None, group)
+    args, kv_config, seed, draft_kv_config = broadcast(None, group)
     if args is None:  # rank 0 refused the split (it says why)
         dist.destroy_process_group()
         return False
     try:
-        worker = Worker(args, kv_config, rank=rank, sampler_seed=seed)
+        worker = Worker(args, kv_config, rank=rank, sampler_seed=seed, draft_kv_config=draft_kv_config)
     except BaseException:  # noqa: BLE001 - reported to rank 0, which raises it; then its shutdown
         gather(("error", traceback.format_exc()), group)
         broadcast(None, group)

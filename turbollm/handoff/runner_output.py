@@ -1,5 +1,6 @@
 """What a worker returns for a step: the sampled token ids and their logprobs per sequence, the
-prompt logprobs asked for, and the sequences whose sampling failed. Plain data, picklable.
+prompt logprobs asked for, the sequences whose sampling failed, and with speculative decoding the
+drafts proposed for each sequence's next step. Plain data, picklable.
 
 Logprobs are of the raw model distribution (before penalties, temperature and filters), as vLLM
 reports them; token text is added on the engine side (the workers have no tokenizer).
@@ -39,3 +40,9 @@ class ModelRunnerOutput:
     # attention-score eviction: seq_id -> (query rows counted, the attention mass each table entry got
     # this step, summed over layers, heads and those rows)
     kv_scores: dict[int, tuple[int, list[float]]] = field(default_factory=dict)
+    # speculative decoding (worker/drafter.py): seq_id -> draft tokens to follow what it sampled this step
+    # (at most the room `SchedulerOutput.draft_room` gave it), the proposer's time this step, and its own
+    # measure of one more draft token's cost (a draft model's one-token step; None: the time per draft)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    propose_seconds: float = 0.0
+    seconds_per_draft: float | None = None

@@ -5,7 +5,7 @@ A sequence is new to the workers the first time it is scheduled (`NewRequestData
 its tokens included); afterwards only what changed is sent (`CachedRequestData`: blocks added or
 replaced, whether it resumes after a preemption). Every step lists the token ids each scheduled
 sequence computes (`scheduled_token_ids`: the next chunk of a prompt, the last sampled token, and
-later a speculative proposer's draft tokens after it), in batch order. Block ids are per KV-cache
+the draft tokens the workers proposed after the step before, `spec_token_ids`), in batch order. Block ids are per KV-cache
 group (a tuple with one list per group, `handoff/kv_cache_spec.py`); an entry `NULL_BLOCK` (-1) is
 a block a sliding-window group released, never read. Sequences are named by `seq_id`, an int
 unique within the engine: a request with n > 1 samples has n of them.
@@ -69,6 +69,11 @@ class SchedulerOutput:
     # seq_id -> the draft tokens at the end of its scheduled tokens (speculative decoding: the step
     # verifies them; its last sampled token comes first, then these)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> how many draft tokens the workers may propose for it after this step, on the tokens it
+    # samples (speculative decoding: the room the scheduler reserved; with a proposer that writes K/V, a
+    # draft model, its blocks are in the sequence's tables already). The drafts come back in
+    # `ModelRunnerOutput.draft_token_ids` and are verified in the sequence's next step.
+    draft_room: dict[int, int] = field(default_factory=dict)
     # parent seq_id -> the siblings sampled from its row when this step completes its prompt
     forks: dict[int, list[ForkData]] = field(default_factory=dict)
     # copy-on-write: (group, src, dst), done in that group's layers before the forward pass

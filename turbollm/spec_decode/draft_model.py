@@ -1,10 +1,10 @@
 """Draft-model speculation: a smaller model with the target's tokenizer proposes the next tokens greedily.
 
-The draft runs in the engine's process (`worker/draft_runner.py`, handed in as
-`ProposerContext.make_draft_runner`) with its own `ModelRunner` and its own paged K/V storage,
-allocated with the target pool's number of blocks and addressed through the target sequence's own
-block table (the same block ids: the scheduler allocates the blocks for the drafts' positions before
-asking, `Proposer.needs_blocks`). Per sequence it remembers which tokens' draft K/V are written; on
+The draft runs in the worker that gives the target's step output (`worker/drafter.py`; its runner is
+`worker/draft_runner.py`'s, handed in as `ProposerContext.make_draft_runner`), after each target step,
+with its own `ModelRunner` and its own paged K/V storage, allocated with the target pool's number of
+blocks and addressed through the target sequence's own block table (the same block ids: the scheduler
+reserves the blocks for the drafts' positions with their room, `Proposer.needs_blocks`). Per sequence it remembers which tokens' draft K/V are written; on
 the next call that count falls back to the first position where the sequence's tokens differ from
 the ones the draft computed (the rejected drafts) or where the block table changed (copy-on-write),
 and to zero after a preemption (`preempted`: the blocks may have served others meanwhile); the
@@ -80,10 +80,10 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         if context.block_table is None or context.make_draft_runner is None:
-            raise InvalidRequestError("speculative_config: a draft model runs inside an engine (no engine context)")
+            raise InvalidRequestError("speculative_config: a draft model runs inside a worker (no worker context)")
         self.runner = context.make_draft_runner(config)  # worker/draft_runner.py: the model, its K/V
         self.block_table = context.block_table
-        self.block_size = context.kv_config.block_size
+        self.block_size = context.block_size
         # per sequence: the tokens the draft computed (the K/V of all but the last are written), and its
         # table's entries under them
         self.computed: dict[int, list[int]] = {}

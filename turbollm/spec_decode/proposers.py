@@ -4,8 +4,9 @@ that sequence ends; looked up by method name in `PROPOSERS`.
 
 `NgramProposer` is prompt lookup: the longest suffix of the sequence, from `prompt_lookup_max`
 tokens down to `prompt_lookup_min`, that occurred earlier in it; the tokens that followed its most
-recent earlier occurrence are the drafts. It needs nothing but the tokens (no model, no state), so
-it runs wherever the scheduler does. `suffix.py` holds the suffix-tree proposer.
+recent earlier occurrence are the drafts. It needs nothing but the tokens (no model, no state).
+`suffix.py` holds the suffix-tree proposer, `draft_model.py` the draft model's. They run on the worker
+side (worker/drafter.py), after each step, on the tokens it sampled.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from turbollm.spec_decode.config import SpeculativeConfig
 
 @dataclass
 class ProposerContext:
-    """What a proposer may need of the engine beyond its config (a draft model: the engine's
-    arguments, the KV pool's geometry, where a sequence's block table is)."""
+    """What a proposer may need of the worker beyond its config (a draft model: the engine's arguments,
+    the KV pool's block size, where a sequence's block table is, how to load the draft's runner)."""
 
     args: Any = None  # EngineArgs
-    kv_config: Any = None  # KVCacheConfig of the target
+    block_size: int = 16  # tokens per KV block of the target
     block_table: Callable[[int], list[int]] | None = None  # seq_id -> its (group 0) block table, live
     make_draft_runner: Callable[[SpeculativeConfig], Any] | None = None  # worker/draft_runner.py's DraftRunner.load
 
@@ -31,11 +32,11 @@ class Proposer:
     """A draft source. Drafts are a function of the sequence's tokens and of what the proposer saw
     before (never random), so verification is rejection sampling with a one-hot q."""
 
-    #: the proposer writes K/V into the sequence's blocks (a draft model): the scheduler allocates the
-    #: blocks for the drafts' positions before asking
+    #: the proposer writes K/V into the sequence's blocks (a draft model): the scheduler reserves the
+    #: blocks for the drafts' positions with their room (`drafts_write_kv`)
     needs_blocks = False
     #: the proposer's own measure of what one more draft token costs (seconds), when its calls also do
-    #: other work (a draft model catching up on verified tokens); None: the scheduler times the calls
+    #: other work (a draft model catching up on verified tokens); None: the planner times the calls
     seconds_per_draft: float | None = None
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
@@ -59,11 +60,21 @@ def register_proposer(method: str):
     return deco
 
 
-def make_proposer(config: SpeculativeConfig, context: ProposerContext | None = None) -> Proposer:
-    if config.method not in PROPOSERS:
-        raise NotImplementedError(f"speculative method {config.method!r} has no proposer yet "
+def proposer_class(method: str):
+    if method not in PROPOSERS:
+        raise NotImplementedError(f"speculative method {method!r} has no proposer yet "
                                   f"(available: {', '.join(sorted(PROPOSERS))})")
-    return PROPOSERS[config.method](config, context or ProposerContext())
+    return PROPOSERS[method]
+
+
+def drafts_write_kv(config: SpeculativeConfig) -> bool:
+    """Whether `config`'s proposer writes the drafts' K/V into the sequence's blocks (the scheduler then
+    reserves them)."""
+    return bool(proposer_class(config.method).needs_blocks)
+
+
+def make_proposer(config: SpeculativeConfig, context: ProposerContext | None = None) -> Proposer:
+    return proposer_class(config.method)(config, context or ProposerContext())
 
 
 @register_proposer("ngram")

@@ -1,19 +1,18 @@
 """The draft model's forward passes, for the draft-model proposer (turbollm/spec_decode/draft_model.py).
 
 `DraftRunner.load` loads the draft (quantized at load when the config says so, its LM head cut to
-`draft_vocab_size` ids), allocates its paged K/V with the target pool's number of blocks, and wraps
-a `ModelRunner` over them. `run(seq_id, tokens, num_computed, table)` computes tokens[num_computed:]
+`draft_vocab_size` ids; whole, never sharded, on a rank of a tensor-parallel engine), allocates its
+paged K/V as the engine sized it (the target pool's number of blocks), and wraps a `ModelRunner` over
+them. `run(seq_id, tokens, num_computed, table)` computes tokens[num_computed:]
 into the blocks of `table` (the target sequence's own block ids) and returns the draft's greedy next
-token. The proposer decides what is still valid; this module only runs the model. It lives in the
-engine package (it drives a `ModelRunner` with plain `SchedulerOutput`s); the proposer receives it
-through `ProposerContext.make_draft_runner`.
+token. The proposer decides what is still valid; this module only runs the model. The worker's
+`Drafter` (worker/drafter.py) owns the proposer, which receives this runner through
+`ProposerContext.make_draft_runner`.
 """
 
 from __future__ import annotations
 
 import logging
-
-import torch
 
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.sampling_params import SamplingParams
@@ -28,27 +27,25 @@ class DraftRunner:
         self.loaded, self.runner = loaded, runner
 
     @classmethod
-    def load(cls, config, args, kv_config, size_kv) -> "DraftRunner":
-        """`size_kv(model_config, dtype)`: the draft's `KVCacheConfig` with the target's blocks (the scheduler side
-        sizes it; handed in, so the worker side imports none of it)."""
+    def load(cls, config, args, draft_kv, block_size: int) -> "DraftRunner":
+        """`draft_kv`: the draft's `KVCacheConfig`, sized by the engine (the target's number of blocks)."""
         from turbollm.attention import get_attention_backend
-        from turbollm.worker.kv_allocation import allocate_kv_storage
-        from turbollm.loader import load_model
+        from turbollm.distributed import single_rank
         from turbollm.kernels.forms import resolve_form
+        from turbollm.loader import load_model
         from turbollm.quantization.base import set_kernel_form, set_qmatmul
         from turbollm.spec_decode.draft_model import trimmed_head
+        from turbollm.worker.kv_allocation import allocate_kv_storage
 
-        loaded = load_model(config.model, quantization=config.quantization)
+        with single_rank():
+            loaded = load_model(config.model, quantization=config.quantization)
         if config.draft_vocab_size is not None and config.draft_vocab_size < loaded.config.vocab_size:
             loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
         set_qmatmul(loaded.model, args.qmatmul)
         set_kernel_form(loaded.model, resolve_form(args.kernel_form))
-        # the draft's K/V in the target's float dtype (float16 beside a quantized target format)
-        dtype = kv_config.dtype if kv_config.dtype.is_floating_point else torch.float16
-        draft_kv = size_kv(loaded.config, dtype)
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
-        runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), kv_config.block_size,
+        runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), block_size,
                              get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                              layer_groups=draft_kv.layer_groups)
         return cls(loaded, runner)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from turbollm.models.common import CausalLM
 from turbollm.models.forward_batch import ForwardBatch, LayerHooks
 from turbollm.worker.fused_step import FusedDecodeStep
 from turbollm.worker.kv_rings import RecentRings
+from turbollm.worker import rejection
 from turbollm.worker.sampler import Sampler, SamplingRow, ranked_logprobs
 
 
@@ -45,6 +46,18 @@ class SeqState(SamplingRow):
     kv_qlo: int = 0  # ... where its quantized K/V end
     ring_floor: int = 0  # ... and below which its ring holds nothing
     evicted_blocks: int = 0  # attention-score eviction: blocks removed from its tables (core/kv_eviction.py)
+
+
+@dataclass
+class _StepRows:
+    """The rows a step samples: plain rows (a state each) with their hidden-state rows, the verifying sequences
+    (state, drafts) with all their rows, and prompt rows for prompt logprobs (seq_id -> first position, hidden)."""
+
+    plain: list[SeqState] = field(default_factory=list)
+    plain_hidden: list[int] = field(default_factory=list)
+    verify: list[tuple[SeqState, list[int]]] = field(default_factory=list)
+    verify_hidden: list[int] = field(default_factory=list)
+    prompt: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def _generator(params, index: int) -> torch.Generator | None:
@@ -199,33 +212,48 @@ class ModelRunner:
         if self.pipeline is not None:  # a pipeline stage: the last one gets the hidden states, the others None
             hidden = self.pipeline.run(sched)
             qsl = list(itertools.accumulate((len(t) for t in sched.scheduled_token_ids.values()), initial=0))
-            batch = None
         else:
             batch = self.prepare(sched)
             hidden = self.run_model(batch)
             qsl = batch.attn.query_start_loc
-        if batch is not None and batch.attn.key_mass is not None:  # each sequence's attention mass per table entry, for its eviction
-            km = batch.attn.key_mass
-            if get_tp().tp_size > 1:  # each rank scored its own heads: the sum is every head's
-                from turbollm.distributed.tensor_parallel import all_reduce
+            if batch.attn.key_mass is not None:
+                self._kv_scores(sched, batch.attn.key_mass, qsl, out)
+        rows = self._advance(sched, hidden, qsl)
+        if hidden is not None and (rows.plain or rows.verify):
+            self._sample(hidden, rows, out)
+        for sid, (first, h) in rows.prompt.items():
+            try:
+                out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
+            except Exception as e:  # noqa: BLE001 - that request fails, the step goes on
+                out.errors[sid] = f"prompt logprobs: {type(e).__name__}: {e}"
+        return out
 
-                all_reduce(km.out)
-            for i, sid in enumerate(sched.scheduled_token_ids):
-                out.kv_scores[sid] = (qsl[i + 1] - km.first_rows[i], km.out[i, :len(self.states[sid].block_ids[0])].tolist())
-        sample_rows, rows, prompt_rows = [], [], {}
-        verify, verify_rows = [], []  # (state, drafts) of speculating sequences, and their hidden rows
+    def _kv_scores(self, sched: SchedulerOutput, km: KeyMass, qsl, out: ModelRunnerOutput) -> None:
+        """Each sequence's attention mass per table entry this step, for its eviction policy."""
+        if get_tp().tp_size > 1:  # each rank scored its own heads: the sum is every head's
+            from turbollm.distributed.tensor_parallel import all_reduce
+
+            all_reduce(km.out)
+        for i, sid in enumerate(sched.scheduled_token_ids):
+            out.kv_scores[sid] = (qsl[i + 1] - km.first_rows[i], km.out[i, :len(self.states[sid].block_ids[0])].tolist())
+
+    def _advance(self, sched: SchedulerOutput, hidden: torch.Tensor | None, qsl) -> "_StepRows":
+        """Advance each sequence's computed count and pick the rows to sample: the last row of a sequence now up
+        to date (once per n > 1 sibling, whose states are made here), every row of a verifying sequence, and
+        the prompt rows of a request asking for prompt logprobs."""
+        rows = _StepRows()
         for i, (sid, tokens) in enumerate(sched.scheduled_token_ids.items()):
             st = self.states[sid]
             c, n = st.num_computed_tokens, len(tokens)
             drafts = sched.spec_token_ids.get(sid)
             if drafts:  # the last sampled token, then the drafts: every row is sampled, then verified
-                verify.append((st, drafts))
-                verify_rows.extend(range(qsl[i], qsl[i + 1]))
+                rows.verify.append((st, drafts))
+                rows.verify_hidden.extend(range(qsl[i], qsl[i + 1]))
                 continue
             if hidden is not None and st.params.prompt_logprobs is not None and st.index == 0 \
                     and c < st.num_prompt_tokens - 1:
                 last = min(c + n, st.num_prompt_tokens - 1)  # rows predicting prompt positions c+1 .. last
-                prompt_rows[sid] = (c + 1, hidden[qsl[i]:qsl[i] + (last - c)])
+                rows.prompt[sid] = (c + 1, hidden[qsl[i]:qsl[i] + (last - c)])
             st.num_computed_tokens = c + n
             if c + n == len(st.token_ids):
                 for fork in sched.forks.get(sid, []):
@@ -233,87 +261,36 @@ class ModelRunner:
                     self.states[fork.seq_id] = sibling
                     if self.rings is not None:
                         self.rings.fork(st, sibling)
-                    sample_rows.append(qsl[i + 1] - 1)
-                    rows.append(sibling)
-                sample_rows.append(qsl[i + 1] - 1)
-                rows.append(st)
-        if hidden is not None and (rows or verify):  # one LM-head product and one sampling call for every sampled row
-            all_rows = rows + [row for st, drafts in verify for row in _verify_rows(st, len(drafts))]
-            rewind = {st.seq_id: st.generator.get_state() for st, _ in verify if _draws_own_noise(st)}
-            logits = self.model.compute_logits(hidden[sample_rows + verify_rows])
-            results = self.sampler.sample(logits, all_rows)
-            for st, res in zip(rows, results):
-                if res.error is not None:
-                    out.errors[st.seq_id] = res.error
-                    continue
-                st.token_ids.append(res.token_id)
-                out.sampled[st.seq_id] = [SampledToken(res.token_id, res.logprob, res.rank, res.top)]
-            first = len(rows)
-            vocab = logits.shape[-1]
-            for st, drafts in verify:
-                self._verify(st, results[first:first + len(drafts) + 1], drafts, out)
-                first += len(drafts) + 1
-                if st.seq_id in rewind:  # the noise of the rows past the last token was never used
-                    _rewind(st.generator, rewind[st.seq_id], len(out.sampled.get(st.seq_id, ())), vocab)
-        for sid, (first, h) in prompt_rows.items():
-            try:
-                out.prompt_logprobs[sid] = self._prompt_logprobs(self.states[sid], first, self.model.compute_logits(h))
-            except Exception as e:  # noqa: BLE001 - that request fails, the step goes on
-                out.errors[sid] = f"prompt logprobs: {type(e).__name__}: {e}"
-        return out
+                    rows.plain_hidden.append(qsl[i + 1] - 1)
+                    rows.plain.append(sibling)
+                rows.plain_hidden.append(qsl[i + 1] - 1)
+                rows.plain.append(st)
+        return rows
 
-    @staticmethod
-    def _verify(st: SeqState, results: list, drafts: list[int], out: ModelRunnerOutput) -> None:
-        """Verification of one sequence's drafts. `results` holds row j's target token, sampled as a
-        decode of that position would sample it (its logits, its history with drafts 0..j-1, its noise);
-        the drafts are accepted while they equal it, and the target's token at the first difference (or
-        after the last draft) ends the step's tokens.
-
-        Greedy, the rows' argmaxes are the tokens decoding one at a time would give (rows are
-        row-invariant up to 16 per step). Sampled, this is rejection sampling for a proposer whose
-        draft d is a function of the tokens so far (q one-hot): the row's token x ~ p is accepted when
-        x = d, with probability p(d) = min(1, p(d)/q(d)); otherwise x is p conditioned on x != d,
-        which is norm(max(0, p - q)). A seeded request's noise is rewound to the rows used, so it
-        draws the same tokens as without speculation."""
-        c = st.num_computed_tokens
-        tokens: list[SampledToken] = []
-        for j, res in enumerate(results):
+    def _sample(self, hidden: torch.Tensor, rows: "_StepRows", out: ModelRunnerOutput) -> None:
+        """One LM-head product and one sampling call for every sampled row; then the drafts verified."""
+        verify = rows.verify
+        all_rows = rows.plain + [row for st, drafts in verify for row in rejection.verify_rows(st, len(drafts))]
+        noise = {st.seq_id: st.generator.get_state() for st, _ in verify if rejection.draws_own_noise(st)}
+        logits = self.model.compute_logits(hidden[rows.plain_hidden + rows.verify_hidden])
+        results = self.sampler.sample(logits, all_rows)
+        for st, res in zip(rows.plain, results):
             if res.error is not None:
                 out.errors[st.seq_id] = res.error
-                return
-            tokens.append(SampledToken(res.token_id, res.logprob, res.rank, res.top))
-            if j == len(drafts) or res.token_id != drafts[j]:
-                break
-        st.token_ids[c + 1:] = [t.token_id for t in tokens]  # the accepted drafts, then the new token
-        st.num_computed_tokens = c + len(tokens)
-        out.sampled[st.seq_id] = tokens
+                continue
+            st.token_ids.append(res.token_id)
+            out.sampled[st.seq_id] = [SampledToken(res.token_id, res.logprob, res.rank, res.top)]
+        first = len(rows.plain)
+        for st, drafts in verify:
+            rejection.verify_drafts(st, results[first:first + len(drafts) + 1], drafts, out)
+            first += len(drafts) + 1
+            if st.seq_id in noise:  # the noise of the rows past the last token was never used
+                rejection.rewind(st.generator, noise[st.seq_id], len(out.sampled.get(st.seq_id, ())), logits.shape[-1])
 
     @staticmethod
     def _prompt_logprobs(st: SeqState, first: int, logits: torch.Tensor) -> PromptLogprobs:
         tokens = st.token_ids[first:first + logits.shape[0]]
         return PromptLogprobs(first, tokens, *ranked_logprobs(logits, tokens, st.params.prompt_logprobs))
-
-
-def _verify_rows(st: SeqState, num_drafts: int) -> list[SamplingRow]:
-    """What the sampler sees of a speculating sequence's rows: row j follows the sequence so far and
-    drafts 0..j-1 (a copy of that history only when the request's sampling depends on it)."""
-    if not st.params.uses_history:
-        return [st] * (num_drafts + 1)
-    end = st.num_computed_tokens + 1
-    return [SamplingRow(st.params, st.token_ids[:end + j], st.num_prompt_tokens, st.end_token_ids, st.generator)
-            for j in range(num_drafts + 1)]
-
-
-def _draws_own_noise(st: SeqState) -> bool:
-    return st.generator is not None and not st.params.greedy
-
-
-def _rewind(generator: torch.Generator, state: torch.Tensor, num_used: int, vocab: int) -> None:
-    """Put a seeded request's generator where `num_used` rows' draws (one exponential per vocabulary
-    entry each, as `Sampler._draw` draws them) would leave it."""
-    generator.set_state(state)
-    for _ in range(num_used):
-        torch.empty(vocab).exponential_(generator=generator)
 
 
 def _table_tensor(tables: list[list[int]]) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 The executor owns the workers; the engine never sees them. A worker loads its model (or takes
 one already loaded, in the engine's process), allocates the paged K/V storage the engine's
-`KVCacheConfig` describes (each layer's `LayerKVCache`, by its group's spec), and runs steps: `SchedulerOutput` in, `ModelRunnerOutput` out. It is
-what a tensor- or pipeline-parallel rank and a remote KV producer will each be.
+`KVCacheConfig` describes (each layer's `LayerKVCache`, by its group's spec), and runs steps:
+`SchedulerOutput` in, `ModelRunnerOutput` out. With speculative decoding the worker that gives the
+step's output also drafts (`Drafter`, worker/drafter.py: the proposer, and a draft model's own runner
+with the K/V `draft_kv_config` describes) after each step. It is what a tensor- or pipeline-parallel
+rank and a remote KV producer will each be.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.kernels.forms import resolve_form
 from turbollm.models.forward_batch import LayerHooks
 from turbollm.quantization.base import set_kernel_form, set_qmatmul
+from turbollm.worker.drafter import Drafter
 from turbollm.worker.kv_allocation import allocate_kv_storage
 from turbollm.worker.malloc_tuning import tune_malloc
 from turbollm.worker.model_runner import ModelRunner
@@ -32,7 +36,8 @@ class Worker:
     `shm_files`: the shared-memory exchange of ranks on one host (distributed/shm_comm.py)."""
 
     def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None, rank: int = 0,
-                 init_method: str | None = None, sampler_seed: int | None = None, shm_files=None):
+                 init_method: str | None = None, sampler_seed: int | None = None, shm_files=None,
+                 draft_kv_config: KVCacheConfig | None = None):
         from turbollm.loader import load_model
 
         tune_malloc()  # per process: the worker's forward passes are what it is for
@@ -61,6 +66,11 @@ class Worker:
                                   group_attention=kv_config.group_attention, recent_slots=kv_config.recent_slots,
                                   score_rows=kv_config.score_rows, layers=layers,
                                   microbatches=args.pp_microbatches or args.pipeline_parallel_size)
+        # the rank whose output the executors return (the first of the last stage) drafts for the next step
+        self.drafter = None
+        if args.speculative_config is not None and rank == args.world_size - tp:
+            self.drafter = Drafter.build(args.speculative_config, args, self.runner.states, args.block_size,
+                                         draft_kv_config)
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""
@@ -85,4 +95,9 @@ class Worker:
             self.runner.pipeline.queued(sched)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+        if self.drafter is None:
+            return self.runner.execute_model(sched)
+        self.drafter.before_step(sched, self.runner.states)
+        out = self.runner.execute_model(sched)
+        self.drafter.after_step(sched, out, self.runner.states)
+        return out
