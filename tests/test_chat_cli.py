@@ -56,7 +56,7 @@ def test_chat_command_through_stdin(llm, model_path):
 def test_chat_in_process_eof_and_commands(llm, monkeypatch, capsys):
     from turbollm.cli.main import main
 
-    monkeypatch.setattr("turbollm.engine.llm_engine.LLMEngine", lambda args: llm.engine)  # reuse the loaded model
+    monkeypatch.setattr("turbollm.engine.llm_engine.LLMEngine.from_engine_args", lambda args: llm.engine)  # reuse the loaded model
     monkeypatch.setattr(sys, "stdin", io.StringIO("/nonsense\n/system Be a pirate.\n\nhello\n"))  # then EOF
     assert main(["chat", "--temperature", "0", "--max-tokens", "4"]) == 0
     cap = capsys.readouterr()
