@@ -53,12 +53,13 @@ def _simulate(quant, steps, R=20, bs=8, H=2, D=16, nseq=2, seed=0, write=write_r
     lay = KVLayout(torch.int8 if quant == "int8" else torch.uint8, bs, H, D, R)
     total = sum(steps)
     nblk = -(-total // bs)
-    cache = LayerKVCache.allocate(lay, nseq * nblk + 1, recent_slots=nseq + 1)
+    first_ring = -(-(nseq * nblk + 1) // lay.ring_pool_blocks)  # the rings' blocks after the data's
+    cache = LayerKVCache.allocate(lay, (first_ring + nseq + 1) * lay.ring_pool_blocks)
     perm = torch.randperm(nseq * nblk, generator=g) + 1
     tables = perm.view(nseq, nblk)
     truth = (torch.randn(nseq, total, 2, H, D, generator=g) * 3).half().float()  # the ring's float16 is exact
     qlo, c = [0] * nseq, 0
-    slots = [2, 0][:nseq]
+    slots = [first_ring + 2, first_ring][:nseq]
     for n in steps:
         new = [max(q, (c + n - R) // bs * bs) for q in qlo]
         meta = RecentMeta(slots, [c] * nseq, list(qlo), new, [hi for hi in new for _ in range(n)])
@@ -124,8 +125,9 @@ def test_kernel_store_is_the_reference_bit_for_bit(quant):
     steps = [37, 1, 1, 5, 1, 12, 1, 1, 1]
     ref = _simulate(quant, steps)[0]
     got = _simulate(quant, steps, write=_kernel_writer(kernels))[0]
-    for name in ("k", "v", "k_scale", "v_scale", "k_recent", "v_recent"):
-        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    for name in ("k", "v", "k_scale", "v_scale", "k_recent", "v_recent"):  # bit for bit (the rings are a float16
+        # view of the pool's bytes: where a data block lies under it, its bytes may read as NaN)
+        assert torch.equal(getattr(got, name).view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -220,10 +222,10 @@ def test_engine_int8_close_to_float16_and_forks_preemption_prefix_hits(tiny_llam
     stats0 = llm.engine.stats()["prefix_cache_hits"]
     llm.generate([{"prompt_token_ids": fresh}], one, use_tqdm=False)
     assert llm.engine.stats()["prefix_cache_hits"] - stats0 == 64
-    # forks and preemption: n = 2 greedy siblings agree; a 6-block pool forces preemption
+    # forks and preemption: n = 2 greedy siblings agree; 8 blocks beside the four rings force preemption
     pn = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, n=2)
     small, outs = _gen(tiny_llama, prompts[:2], pn, kv_cache_dtype="int8", kv_recent_window=32,
-                       kv_cache_memory=small_pool_bytes(tiny_llama, 6))
+                       kv_cache_memory=small_pool_bytes(tiny_llama, 8))
     assert small.engine.stats()["num_preemptions"] > 0
     for o in outs:
         assert o.outputs[0].token_ids == o.outputs[1].token_ids
@@ -232,14 +234,13 @@ def test_engine_int8_close_to_float16_and_forks_preemption_prefix_hits(tiny_llam
 
 
 def small_pool_bytes(path, blocks: int) -> int:
-    """The budget of `blocks` int8 blocks and the rings of 4 sequence slots."""
+    """The budget of `blocks` int8 blocks and the rings of 4 running sequences (taken from the same pool)."""
     from turbollm.core.kv_sizing import kv_config_for_model
     from turbollm.loader import describe_model
 
     cfg = describe_model(str(path)).config
-    kv = kv_config_for_model(cfg, blocks, 32, torch.int8, recent_window=32, max_num_seqs=4)
-    assert kv.recent_slots == 4
-    return kv.total_bytes
+    ring = kv_config_for_model(cfg, 1, 32, torch.int8, recent_window=32).ring_blocks
+    return kv_config_for_model(cfg, blocks + 4 * ring, 32, torch.int8, recent_window=32).total_bytes
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -263,18 +264,47 @@ def test_speculation_stays_token_exact(tiny_llama, quant):
     assert runs[0] == runs[1]
 
 
-def test_a_budget_below_the_rings_is_refused():
-    from turbollm.config import ModelConfig
-    from turbollm.core.kv_sizing import kv_config_for_model, kv_config_from_budget
+SMOLLM2 = dict(arch="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+               intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+               rope_theta=100000.0, tie_word_embeddings=True)  # smollm2-135m's shapes
 
-    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
-                      intermediate_size=128, vocab_size=100, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, tie_word_embeddings=True)
-    ring = kv_config_for_model(cfg, 1, 32, torch.int8, recent_window=128, max_num_seqs=1).ring_bytes
-    with pytest.raises(InvalidRequestError, match="rings of 64 sequence slots"):
-        kv_config_from_budget(cfg, 10 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
-    ok = kv_config_from_budget(cfg, 80 * ring, 32, torch.int8, b"", "auto", 64, 2048, 0, 128)
-    assert ok.total_bytes <= 80 * ring and ok.recent_slots == 64
+
+@pytest.mark.parametrize("quant,least", [("int8", 1.85), ("int4", 3.2)])
+def test_quantized_kv_holds_its_share_of_float16_tokens(quant, least):
+    """The rings come out of the pool as sequences run, not reserved per sequence slot up front: in 3.5 GiB,
+    int8 K/V holds >= 1.85x and int4 >= 3.2x the tokens float16 holds (smollm2-135m's shapes, each format
+    at its default block size), and both start at 0.25 GiB with the default max_num_seqs (64)."""
+    from turbollm.config import ModelConfig
+    from turbollm.core.kv_sizing import size_kv_cache
+    from turbollm.engine_args import EngineArgs
+
+    cfg = ModelConfig(**SMOLLM2)
+
+    def size(dtype: str, gib: float):
+        args = EngineArgs(kv_cache_dtype=dtype, kv_cache_memory=int(gib * (1 << 30)))
+        return size_kv_cache(args, cfg, args.kv_torch_dtype(), b"")
+
+    f16, _ = size("float16", 3.5)
+    kv, _ = size(quant, 3.5)
+    assert kv.total_bytes <= 3.5 * (1 << 30) and kv.num_tokens >= least * f16.num_tokens, \
+        (kv.num_tokens, f16.num_tokens)
+    small, model_len = size(quant, 0.25)  # (before, 64 rings reserved up front did not fit)
+    assert model_len == cfg.max_position_embeddings and small.ring_slots >= 40  # as many run as memory holds
+
+
+def test_a_budget_below_one_ring_is_refused():
+    from turbollm.config import ModelConfig
+    from turbollm.core.kv_sizing import kv_config_for_model, size_kv_cache
+    from turbollm.engine_args import EngineArgs
+
+    cfg = ModelConfig(**SMOLLM2)
+    ring = kv_config_for_model(cfg, 1, 32, torch.int8, recent_window=128).ring_blocks
+    block = kv_config_for_model(cfg, 1, 32, torch.int8, recent_window=128).total_bytes
+    with pytest.raises(InvalidRequestError, match="float16 ring of recent tokens takes"):
+        size_kv_cache(EngineArgs(kv_cache_dtype="int8", kv_cache_memory=ring * block), cfg, torch.int8, b"")
+    kv, model_len = size_kv_cache(EngineArgs(kv_cache_dtype="int8", kv_cache_memory=(ring + 2) * block), cfg,
+                                  torch.int8, b"")
+    assert kv.ring_slots == 1 and model_len == 2 * 32  # one sequence: its ring and two blocks
 
 
 def test_sliding_window_model_with_quantized_kv(tmp_path_factory):

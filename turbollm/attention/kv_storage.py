@@ -11,7 +11,11 @@ scaled per channel over the block's tokens (KIVI: K has outlier channels) and V 
 (and int4's minima) in float16: `k_scale` [N, Hk, D] (int4: [N, 2, Hk, D], scale then minimum),
 `v_scale` [N, bs, Hk] (int4: [N, bs, Hk, 2]). A block is quantized once it is complete and older
 than the sequence's last `recent_window` tokens; until then its tokens live in float16 in the
-sequence's ring of recent blocks (`k_recent`, `v_recent`: `ring_blocks` blocks per sequence slot).
+sequence's ring of recent blocks (`k_recent`, `v_recent`: `ring_blocks` blocks per ring slot). The rings
+are drawn from the pool itself: `k_recent` is a float16 view of the pool's K storage, so ring slot s is
+pool blocks `ring_pool_blocks * s ..` (`ring_factor` quantized blocks hold one float16 ring block), which
+the scheduler side takes out of the pool while a sequence holds that slot (core/kv_cache_manager.py):
+memory goes to rings only for the sequences running, not to every sequence slot up front.
 A decode (and each row of a step of a few tokens) reads its last `recent_window` tokens or more in
 float16; a longer run of new tokens (a prefill chunk) is quantized as it is written, so its own
 attention reads its older part quantized.
@@ -56,8 +60,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one block in one layer, scales included (the recent window's ring is a per-sequence
-        cost, `ring_bytes`)."""
+        """K and V of one block in one layer, scales included (a ring slot is `ring_pool_blocks` of them)."""
         bs, H, D = self.block_shape
         if self.quant == "int8":  # int8 values; K: a float16 scale per channel, V: one per token
             return 2 * bs * H * D + 2 * H * D + 2 * bs * H
@@ -78,15 +81,24 @@ class KVLayout:
         return -(-self.recent_window // self.block_size) + 3 if self.quant else 0
 
     @property
-    def ring_bytes(self) -> int:
-        """One sequence slot's float16 ring, K and V, in one layer."""
-        return self.ring_blocks * self.block_size * 2 * self.num_kv_heads * self.head_dim * 2
+    def ring_factor(self) -> int:
+        """Quantized pool blocks whose K (or V) storage holds one float16 ring block (int8: 2, int4: 4)."""
+        return 16 // self.quant_bits if self.quant else 0
+
+    @property
+    def ring_pool_blocks(self) -> int:
+        """Pool blocks one ring slot occupies (ring slot s: blocks s * this .. (s + 1) * this - 1)."""
+        return self.ring_blocks * self.ring_factor
+
+    def ring_slots(self, num_blocks: int) -> int:
+        """Ring slots a pool of `num_blocks` blocks can hold at most (each taken only while a sequence runs)."""
+        return num_blocks // self.ring_pool_blocks if self.quant else 0
 
 
 @dataclass
 class LayerKVCache:
-    """A layer's K/V blocks (and, for a quantized format, their scales and the sequence slots' float16
-    rings of recent blocks), described by `layout`."""
+    """A layer's K/V blocks (and, for a quantized format, their scales and the float16 rings of recent
+    blocks, a view of the blocks' storage), described by `layout`."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -97,7 +109,7 @@ class LayerKVCache:
     v_recent: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, layout: KVLayout, num_blocks: int, recent_slots: int = 0) -> "LayerKVCache":
+    def allocate(cls, layout: KVLayout, num_blocks: int) -> "LayerKVCache":
         shape = (num_blocks, *layout.block_shape)
         if layout.quant is None:
             return cls(_lazy_zeros(shape, layout.dtype), _lazy_zeros(shape, layout.dtype), layout)
@@ -107,10 +119,9 @@ class LayerKVCache:
         packed = (num_blocks, bs, H, D // 2) if layout.quant == "int4" else shape
         ks = (num_blocks, 2, H, D) if layout.quant == "int4" else (num_blocks, H, D)
         vs = (num_blocks, bs, H, 2) if layout.quant == "int4" else (num_blocks, bs, H)
-        ring = (max(1, recent_slots) * layout.ring_blocks, bs, H, D)
-        return cls(_lazy_zeros(packed, layout.dtype), _lazy_zeros(packed, layout.dtype), layout,
-                   _lazy_zeros(ks, torch.float16), _lazy_zeros(vs, torch.float16),
-                   _lazy_zeros(ring, torch.float16), _lazy_zeros(ring, torch.float16))
+        k, v = _lazy_zeros(packed, layout.dtype), _lazy_zeros(packed, layout.dtype)
+        return cls(k, v, layout, _lazy_zeros(ks, torch.float16), _lazy_zeros(vs, torch.float16),
+                   _ring_view(k, layout, num_blocks), _ring_view(v, layout, num_blocks))
 
     @classmethod
     def of(cls, k: torch.Tensor, v: torch.Tensor) -> "LayerKVCache":
@@ -133,6 +144,14 @@ class LayerKVCache:
         for t in (self.k_recent, self.v_recent):
             if t is not None:
                 t[dst_slot * m:(dst_slot + 1) * m] = t[src_slot * m:(src_slot + 1) * m]
+
+
+def _ring_view(t: torch.Tensor, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """The float16 rings [slots * ring_blocks, bs, H, D] over the first `ring_slots(num_blocks) *
+    ring_pool_blocks` blocks of quantized storage `t` (one byte an element, contiguous)."""
+    bs, H, D = layout.block_shape
+    ring_blocks = layout.ring_slots(num_blocks) * layout.ring_blocks
+    return t.view(-1)[:ring_blocks * bs * H * D * 2].view(torch.float16).view(ring_blocks, bs, H, D)
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8, torch.uint8: np.uint8}

@@ -85,6 +85,21 @@ class BlockPool:
         self.ref_counts[block] = 1
         return block
 
+    def take(self, block: int) -> None:
+        """Take free block `block` itself (a ring slot's range: `KVCacheManager.take_rings`), evicting its cache
+        entry, if any."""
+        self.free.move_to_end(block, last=False)
+        taken = self.allocate()
+        assert taken == block
+
+    def give_back(self, blocks: range) -> None:
+        """Blocks taken with `take` (a ring slot's) go back, to the end of the free queue: reused last, so that
+        their range stays whole for the next ring as long as other blocks are free."""
+        for b in blocks:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] == 0, f"ring block {b} shared"
+            self.free[b] = None
+
     def lookup(self, h: bytes) -> int | None:
         """The cached block holding the prefix `h`, or None."""
         return self.cached.get(h) if self.enable_caching else None

@@ -38,14 +38,18 @@ def _digest(data: bytes) -> bytes:
 class KVCacheManager:
     def __init__(self, block_size: int, pools: list[BlockPool], specs: list[KVCacheSpec | None] | None = None,
                  salts: list[bytes] | None = None, root: bytes = b"", block_bytes: list[int] | None = None,
-                 ring_bytes: int = 0):
+                 ring_blocks: int = 0, num_ring_slots: int = 0):
         self.block_size, self.pools = block_size, pools
         self.specs = specs or [None] * len(pools)  # None: full attention
         self.keys = [_digest(s) for s in salts] if salts else [b""] * len(pools)
         self.root = _digest(root) if root else None
         self.block_bytes = block_bytes or [0] * len(pools)  # K/V bytes of one block of each group
-        self.ring_bytes = ring_bytes  # a quantized format: one sequence's float16 rings of recent tokens
-        self.holding: set[int] = set()  # sequences with blocks (each with a ring, when there are rings)
+        # a quantized format: each running sequence's float16 ring of recent tokens is ring slot s, blocks
+        # s * ring_blocks .. (s + 1) * ring_blocks - 1 of every pool, taken while it runs (`take_rings`)
+        self.ring_blocks, self.num_ring_slots = ring_blocks, num_ring_slots
+        self.ring_of: dict[int, int] = {}  # seq_id -> its ring slot
+        self.spare_rings: dict[int, list[int]] = {}  # seq_id -> ring slots held for the siblings it will fork
+        self.holding: set[int] = set()  # sequences with blocks
         self.peak_bytes = 0  # the most K/V bytes in use at once since start (`note_usage`)
         # attention-score eviction: the policy's spec (its groups all evict alike; None: no eviction)
         self.eviction = next((s for s in self.specs if isinstance(s, EvictionSpec)), None)
@@ -59,7 +63,7 @@ class KVCacheManager:
         pools = [BlockPool(config.blocks_of(g), enable_caching) for g in range(len(config.groups))]
         return cls(config.block_size, pools, [g.spec for g in config.groups],
                    [config.salt(i) for i in range(len(config.groups))], config.model_salt,
-                   [config.block_bytes(g) for g in range(len(config.groups))], config.ring_bytes)
+                   [config.block_bytes(g) for g in range(len(config.groups))], config.ring_blocks, config.ring_slots)
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -89,8 +93,59 @@ class KVCacheManager:
 
     @property
     def bytes_used(self) -> int:
-        """K/V bytes of the blocks in use, every group, and of the rings of the sequences holding blocks."""
-        return sum(p.num_used * b for p, b in zip(self.pools, self.block_bytes)) + len(self.holding) * self.ring_bytes
+        """K/V bytes of the blocks in use, every group (the rings' blocks included)."""
+        return sum(p.num_used * b for p, b in zip(self.pools, self.block_bytes))
+
+    @property
+    def num_rings(self) -> int:
+        """Ring slots taken (running sequences', and those held for siblings to fork)."""
+        return len(self.ring_of) + sum(map(len, self.spare_rings.values()))
+
+    # ---------------------------------------------------------------- rings of a quantized format
+    def rings_needed(self, seq: Sequence) -> int:
+        """Ring slots `seq` still needs: its own and one per sibling it will fork (0 for float formats)."""
+        if not self.ring_blocks:
+            return 0
+        return (seq.seq_id not in self.ring_of) + seq.pending_forks - len(self.spare_rings.get(seq.seq_id, ()))
+
+    def take_rings(self, seq: Sequence) -> bool:
+        """Take the ring slots `seq` needs out of every pool: slots whose blocks are all free, from the top of
+        the pools down (blocks are handed out from the bottom). False, with nothing taken, when too few are."""
+        k = self.rings_needed(seq)
+        if k <= 0:
+            return True
+        slots = []
+        for s in range(self.num_ring_slots - 1, -1, -1):
+            if all(p.ref_counts[b] == 0 for p in self.pools for b in self._ring_range(s)):
+                slots.append(s)
+                if len(slots) == k:
+                    break
+        else:
+            return False
+        for s in slots:
+            for p in self.pools:
+                for b in self._ring_range(s):
+                    p.take(b)
+        if seq.seq_id not in self.ring_of:
+            self.ring_of[seq.seq_id] = slots.pop(0)
+        if slots:
+            self.spare_rings.setdefault(seq.seq_id, []).extend(slots)
+        self.holding.add(seq.seq_id)
+        return True
+
+    def fork_ring(self, parent: Sequence, i: int) -> int:
+        """The ring slot held for `parent`'s i-th sibling to be (-1 for float formats)."""
+        spare = self.spare_rings.get(parent.seq_id)
+        return spare[i] if spare else -1
+
+    def _ring_range(self, slot: int) -> range:
+        return range(slot * self.ring_blocks, (slot + 1) * self.ring_blocks)
+
+    def _give_back_rings(self, seq_id: int) -> None:
+        for s in [self.ring_of.pop(seq_id, None)] + self.spare_rings.pop(seq_id, []):
+            if s is not None:
+                for p in self.pools:
+                    p.give_back(self._ring_range(s))
 
     def note_usage(self) -> None:
         """Fold the current use into `peak_bytes` (the scheduler calls it once per step)."""
@@ -160,8 +215,12 @@ class KVCacheManager:
             out.append((g, src, dst))
         return out
 
-    def share(self, parent: Sequence, child: Sequence) -> None:
-        """`child` takes the parent's blocks (an n > 1 fork): same tables, one more reference each."""
+    def share(self, parent: Sequence, child: Sequence, ring_slot: int = -1) -> None:
+        """`child` takes the parent's blocks (an n > 1 fork): same tables, one more reference each; and the
+        ring slot held for it (`fork_ring`)."""
+        if ring_slot >= 0:
+            self.spare_rings[parent.seq_id].remove(ring_slot)
+            self.ring_of[child.seq_id] = ring_slot
         child.block_tables = [list(t) for t in self.tables(parent)]
         self.holding.add(child.seq_id)
         child.block_hashes = list(parent.block_hashes)
@@ -175,6 +234,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         for pool, table in zip(self.pools, seq.block_tables):
             pool.release(table)
+        self._give_back_rings(seq.seq_id)
         self.holding.discard(seq.seq_id)
         seq.block_tables = []
         seq.num_cached_blocks = 0

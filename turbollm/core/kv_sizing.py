@@ -37,7 +37,7 @@ def kv_config_for_model(cfg: ModelConfig, num_blocks: int, block_size: int, dtyp
     spec as the KV policy builds it. Given `max_num_seqs` and `max_num_batched_tokens`, a group that
     releases blocks gets no more than it can hold at once (`KVCacheSpec.max_blocks`). A quantized
     `dtype` (torch.int8: int8, torch.uint8: int4) keeps `recent_window` tokens per sequence in float16,
-    in one ring per sequence slot (`max_num_seqs` of them)."""
+    in a ring of pool blocks each running sequence takes (`KVCacheConfig.ring_blocks`)."""
     options = policy if isinstance(policy, KVPolicyConfig) else KVPolicyConfig(policy)
     make_spec = get_kv_policy(options.name).spec
     layout = KVLayout(dtype, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -51,26 +51,23 @@ def kv_config_for_model(cfg: ModelConfig, num_blocks: int, block_size: int, dtyp
     num_blocks = max(1, int(num_blocks))
     caps = _caps(groups, max_num_seqs, max_num_batched_tokens, spec_tokens)
     counts = tuple(num_blocks if c is None else min(c, num_blocks) for c in caps)
-    return KVCacheConfig(num_blocks, block_size, groups, model_salt, counts if set(counts) != {num_blocks} else (),
-                         (max_num_seqs or 1) if layout.quant else 0)
+    return KVCacheConfig(num_blocks, block_size, groups, model_salt, counts if set(counts) != {num_blocks} else ())
 
 
 def kv_config_from_budget(cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
                           model_salt: bytes = b"", policy: str | KVPolicyConfig = "auto",
                           max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                           spec_tokens: int = 0, recent_window: int = 0) -> KVCacheConfig:
-    """The most blocks for the groups that keep everything such that every group's blocks (and the
-    recent rings of a quantized format) fit `memory_bytes` (the capped groups taking their cap first)."""
+    """The most blocks for the groups that keep everything such that every group's blocks fit `memory_bytes`
+    (the capped groups taking their cap first)."""
     def build(n: int) -> KVCacheConfig:
         return kv_config_for_model(cfg, n, block_size, dtype, model_salt, policy, max_num_seqs,
                                    max_num_batched_tokens, spec_tokens, recent_window)
 
     probe = build(1)
     if probe.total_bytes > memory_bytes:
-        raise InvalidRequestError(
-            f"the KV-cache budget ({memory_bytes / (1 << 20):.1f} MiB) is smaller than one block per group plus "
-            f"the float16 rings of {probe.recent_slots} sequence slots ({probe.ring_bytes / (1 << 20):.2f} MiB each):"
-            f" raise kv_cache_memory, or lower max_num_seqs or kv_recent_window")
+        raise InvalidRequestError(f"the KV-cache budget ({memory_bytes / (1 << 20):.1f} MiB) is smaller than one "
+                                  "block per group: raise kv_cache_memory")
     # no group can have more blocks than the budget buys of the cheapest one; bytes grow with n
     lo, hi = 1, max(1, memory_bytes // min(probe.block_bytes(g) for g in range(len(probe.groups))))
     while lo < hi:
@@ -89,12 +86,13 @@ def _caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int | None, max_num_ba
 def default_kv_budget(cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int,
                       max_num_seqs: int, policy: str | KVPolicyConfig = "auto",
                       max_num_batched_tokens: int | None = None, spec_tokens: int = 0, recent_window: int = 0) -> int:
-    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks; a group that
-    releases blocks no more than its cap): the most a default-sized cache can ever use, so a small
-    model with a short context is not given gigabytes."""
+    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each (whole blocks, and a quantized
+    format's rings; a group that releases blocks no more than its cap): the most a default-sized cache can
+    ever use, so a small model with a short context is not given gigabytes."""
     per_seq = -(-max_model_len // block_size)
-    return kv_config_for_model(cfg, per_seq * max_num_seqs, block_size, dtype, b"", policy, max_num_seqs,
-                               max_num_batched_tokens, spec_tokens, recent_window).total_bytes
+    probe = kv_config_for_model(cfg, 1, block_size, dtype, recent_window=recent_window)
+    return kv_config_for_model(cfg, (per_seq + probe.ring_blocks) * max_num_seqs, block_size, dtype, b"", policy,
+                               max_num_seqs, max_num_batched_tokens, spec_tokens, recent_window).total_bytes
 
 
 def batched_tokens(args: EngineArgs) -> int:
@@ -123,10 +121,11 @@ def size_kv_cache(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, salt: 
     kv = kv_config_from_budget(kv_model, budget, *sizing)
     _log_kv(args, kv, kv_model, releases_all)
     _check_one_sequence_fits(args, kv, spec_tokens, model_len)
-    if kv.num_tokens is not None and model_len > kv.num_tokens:
+    held = kv.max_seq_tokens
+    if held is not None and model_len > held:
         logger.warning("max_model_len %d is more than the KV cache holds: capped to %d tokens (raise "
-                       "kv_cache_memory for the full context)", model_len, kv.num_tokens)
-        model_len = kv.num_tokens
+                       "kv_cache_memory for the full context)", model_len, held)
+        model_len = held
     return kv, model_len
 
 
@@ -139,17 +138,23 @@ def _log_kv(args: EngineArgs, kv: KVCacheConfig, kv_model: ModelConfig, releases
                 else "sequences of any length at flat memory" if releases_all
                 else "each sequence within its budget", kv.total_bytes / (1 << 20), kv.format_name, kv.describe(),
                 "on" if caching else f"off: kv_policy {policy.name!r} evicts" if evicts else "off")
-    if kv.recent_slots and held is not None:
+    if kv.ring_blocks and held is not None:
         float16 = kv_config_for_model(kv_model, 1, args.block_size, torch.float16).bytes_per_token
-        logger.info("KV cache: %s blocks of %.0f bytes a token with %d-token float16 rings for %d sequences: %.2fx "
-                    "the tokens float16 K/V would hold in the same budget", args.kv_cache_dtype, kv.bytes_per_token,
-                    args.kv_recent_window, kv.recent_slots, float16 * held / max(1, kv.total_bytes))
+        logger.info("KV cache: %s blocks of %.0f bytes a token, %.2fx the tokens float16 K/V would hold in the same "
+                    "budget; each running sequence's %d-token float16 ring takes %d of its blocks (at most %d rings)",
+                    args.kv_cache_dtype, kv.bytes_per_token, float16 * held / max(1, kv.total_bytes),
+                    args.kv_recent_window, kv.ring_blocks, kv.ring_slots)
 
 
 def _check_one_sequence_fits(args: EngineArgs, kv: KVCacheConfig, spec_tokens: int, model_len: int) -> None:
     """A group that releases blocks must hold one sequence's window alone (else a long sequence would preempt
     itself forever), or its whole context when that is shorter; a group that keeps every block bounds
-    max_model_len instead."""
+    max_model_len instead. A quantized format's pool must hold one ring and a block more."""
+    if kv.ring_blocks and (kv.ring_slots < 1 or min(kv.blocks_of(g) for g in range(len(kv.groups))) <= kv.ring_blocks):
+        raise InvalidRequestError(
+            f"kv_cache_memory holds {min(kv.blocks_of(g) for g in range(len(kv.groups)))} blocks, but one sequence's "
+            f"float16 ring of recent tokens takes {kv.ring_blocks} (kv_recent_window {args.kv_recent_window}) and "
+            "its tokens need more: raise kv_cache_memory or lower kv_recent_window")
     for g, group in enumerate(kv.groups):
         need = group.spec.max_blocks(1, batched_tokens(args), spec_tokens)
         if need is not None:  # a sequence alone never copies on write: its whole context at most

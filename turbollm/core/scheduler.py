@@ -238,7 +238,8 @@ class Scheduler(SpeculationPlanning):
             self.kv.take_cached_prefix(seq)
             self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
-            if not self.kv.can_allocate(self.kv.blocks_needed(seq, n)):
+            # (a quantized format: the float16 rings of recent tokens, its own and its siblings'-to-be, first)
+            if not self.kv.take_rings(seq) or not self.kv.can_allocate(self.kv.blocks_needed(seq, n)):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
                 if self.running:  # blocks come back as the running sequences finish
@@ -267,7 +268,7 @@ class Scheduler(SpeculationPlanning):
         if not seq.known_to_workers:
             out.new_reqs.append(NewRequestData(seq.seq_id, seq.index, seq.all_token_ids, seq.num_prompt_tokens,
                                                seq.params, sorted(seq.end_token_ids),
-                                               tuple(list(t) for t in tables), c))
+                                               tuple(list(t) for t in tables), c, self.kv.ring_of.get(seq.seq_id, -1)))
             seq.known_to_workers = True
         else:
             sent = seq.num_blocks_sent
@@ -277,13 +278,15 @@ class Scheduler(SpeculationPlanning):
                     changed[group].append((i, tables[group][i]))
             out.cached_reqs.append(CachedRequestData(
                 seq.seq_id, tuple(t[sent:] for t in tables), c, seq.seq_id in self._resumed,
-                changed if replaced else (), seq.pending_evictions))
+                changed if replaced else (), seq.pending_evictions,
+                self.kv.ring_of.get(seq.seq_id, -1) if seq.seq_id in self._resumed else -1))
             self._resumed.discard(seq.seq_id)
             seq.pending_evictions = []
         seq.num_blocks_sent = len(tables[0])
         out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
         if c + n == seq.num_tokens and seq.pending_forks:
-            out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i) for i in range(1, seq.pending_forks + 1)]
+            out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i, self.kv.fork_ring(seq, i - 1))
+                                     for i in range(1, seq.pending_forks + 1)]
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
@@ -370,7 +373,7 @@ class Scheduler(SpeculationPlanning):
         """A sibling of `parent` (n > 1) sharing its computed blocks; the workers created it too."""
         child = Sequence(fork.seq_id, parent.request_id, fork.index, list(parent.prompt_token_ids), parent.params,
                          num_computed_tokens=parent.num_computed_tokens, end_token_ids=parent.end_token_ids)
-        self.kv.share(parent, child)
+        self.kv.share(parent, child, fork.ring_slot)
         child.known_to_workers, child.num_blocks_sent = True, len(child.block_tables[0])
         self.add_running(child)
         parent.pending_forks = 0

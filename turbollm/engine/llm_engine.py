@@ -239,16 +239,18 @@ class LLMEngine:
 
     def _kv_group_stats(self) -> list[dict[str, int | str]]:
         """Per KV group: its kind (full, sliding, ...), layers, blocks used / total, K/V bytes in use, dtype;
-        a quantized format's float16 rings of recent tokens are one more entry (kind "recent")."""
+        a quantized format's float16 rings of recent tokens are one more entry (kind "recent": the pool blocks
+        the running sequences' rings take, in every group; the groups' entries count the other blocks)."""
         pool, cfg = self.kv_manager, self.kv_config
+        ring = pool.num_rings * pool.ring_blocks  # blocks of each group
         out: list[dict[str, int | str]] = [
-            {"group": g, "kind": grp.spec.kind, "layers": len(grp.layer_ids), "blocks_used": p.num_used,
-             "blocks_total": cfg.blocks_of(g), "bytes_used": p.num_used * pool.block_bytes[g],
+            {"group": g, "kind": grp.spec.kind, "layers": len(grp.layer_ids), "blocks_used": p.num_used - ring,
+             "blocks_total": cfg.blocks_of(g), "bytes_used": (p.num_used - ring) * pool.block_bytes[g],
              "dtype": cfg.format_name}
             for g, (grp, p) in enumerate(zip(cfg.groups, pool.pools))]
-        if pool.ring_bytes:
-            out.append({"group": len(out), "kind": "recent", "layers": cfg.num_layers, "blocks_used": 0,
-                        "blocks_total": 0, "bytes_used": len(pool.holding) * pool.ring_bytes, "dtype": "float16"})
+        if pool.ring_blocks:
+            out.append({"group": len(out), "kind": "recent", "layers": cfg.num_layers, "blocks_used": ring,
+                        "blocks_total": 0, "bytes_used": ring * sum(pool.block_bytes), "dtype": "float16"})
         return out
 
     def _spec_stats(self) -> dict[str, int | list[int]]:

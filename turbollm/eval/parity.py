@@ -73,7 +73,11 @@ def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size
     block_size = layout.block_size
     blocks_per = [-(-len(p) // block_size) for p in prompts]
     total_blocks = sum(blocks_per)
-    caches = [LayerKVCache.allocate(layout, total_blocks, recent_slots=len(prompts)) for _ in range(cfg.num_layers)]
+    n = len(prompts)
+    # a quantized format's rings: pool blocks past the prompts', ring slots first_ring .. first_ring + n - 1
+    first_ring = -(-total_blocks // layout.ring_pool_blocks) if layout.quant else 0
+    num_blocks = (first_ring + n) * layout.ring_pool_blocks if layout.quant else total_blocks
+    caches = [LayerKVCache.allocate(layout, num_blocks) for _ in range(cfg.num_layers)]
     tables, slots, qsl, first = [], [], [0], 0
     for p, nb in zip(prompts, blocks_per):
         table = list(range(first, first + nb))
@@ -83,10 +87,10 @@ def flat_prefill_batch(loaded: LoadedModel, prompts: list[list[int]], block_size
         qsl.append(qsl[-1] + len(p))
     meta = AttentionMetadata(torch.tensor(slots), qsl, [len(p) for p in prompts], torch.tensor(tables), block_size)
     if layout.quant:
-        n = len(prompts)
         qlo = [max(0, len(p) - kv_recent_window) // block_size * block_size for p in prompts]
         # one pass from position 0: the ring holds each prompt from its qlo on, for every row
-        meta.recent = RecentMeta(list(range(n)), [0] * n, [0] * n, qlo, [q for q, p in zip(qlo, prompts) for _ in p])
+        meta.recent = RecentMeta(list(range(first_ring, first_ring + n)), [0] * n, [0] * n, qlo,
+                                 [q for q, p in zip(qlo, prompts) for _ in p])
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.tensor([i for p in prompts for i in range(len(p))])
     return ForwardBatch(ids, pos, meta, caches, get_attention_backend()), qsl

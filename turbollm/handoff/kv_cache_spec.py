@@ -105,11 +105,13 @@ class SlidingWindowSpec(KVCacheSpec):
         c - window + 1 .. c + n - 1 (the scheduler releases the older ones of every running sequence
         each step): at most ceil((window - 1 + n) / block_size) + 1 blocks, plus one copied on write,
         plus the blocks of up to `spec_tokens` rejected drafts of its last step (kept for its next
-        tokens). Summed over the sequence slots, with the n's of a step summing to the token budget."""
+        tokens), plus its float16 ring's blocks under a quantized format. Summed over the sequence slots,
+        with the n's of a step summing to the token budget."""
         if not self.release_blocks:
             return None
         bs = self.layout.block_size
-        per_slot = -(-(self.window - 1) // bs) + 3 + -(-spec_tokens // bs) + self.kept_blocks()
+        per_slot = (-(-(self.window - 1) // bs) + 3 + -(-spec_tokens // bs) + self.kept_blocks()
+                    + (self.layout.ring_pool_blocks if self.layout.quant else 0))
         return max_num_seqs * per_slot + -(-max_num_batched_tokens // bs)
 
 
@@ -154,7 +156,6 @@ class KVCacheConfig:
     groups: tuple[KVCacheGroup, ...]
     model_salt: bytes = b""  # the model's identity, in every prefix-cache key
     group_blocks: tuple[int, ...] = ()  # blocks of each group (empty: num_blocks each)
-    recent_slots: int = 0  # a quantized format: sequence slots with a float16 ring of recent blocks each
 
     def blocks_of(self, group: int) -> int:
         return self.group_blocks[group] if self.group_blocks else self.num_blocks
@@ -190,16 +191,23 @@ class KVCacheConfig:
     @property
     def bytes_per_token(self) -> float:
         """K and V of one token in every layer (a quantized format: its blocks' bytes, scales included,
-        averaged over the block; its rings are `ring_bytes` per sequence slot)."""
+        averaged over the block; a running sequence's ring takes `ring_blocks` more blocks)."""
         return sum(len(g.layer_ids) * g.spec.layout.bytes_per_token for g in self.groups)
 
     @property
     def num_tokens(self) -> int | None:
-        """The most tokens one sequence can hold (the groups that keep every block bound it); None when
-        every group releases blocks (a sequence of any length holds at most each group's cap)."""
+        """The tokens the pool holds (the groups that keep every block bound it; a quantized format's running
+        sequences' rings take some of it); None when every group releases blocks (a sequence of any length
+        holds at most each group's cap)."""
         if all(g.spec.bounded for g in self.groups):
             return None
         return self.num_blocks * self.block_size
+
+    @property
+    def max_seq_tokens(self) -> int | None:
+        """The most tokens one sequence can hold: the pool's, less its own ring's blocks (None: any length)."""
+        held = self.num_tokens
+        return None if held is None else max(0, held - self.ring_blocks * self.block_size)
 
     @property
     def score_rows(self) -> int:
@@ -212,14 +220,20 @@ class KVCacheConfig:
         return [g.spec.attention for g in self.groups]
 
     @property
-    def ring_bytes(self) -> int:
-        """One sequence slot's float16 rings of recent tokens, every layer (0 for float formats)."""
-        return sum(len(g.layer_ids) * g.spec.layout.ring_bytes for g in self.groups)
+    def ring_blocks(self) -> int:
+        """Blocks of every group one running sequence's float16 ring of recent tokens takes from the pool (a
+        quantized format; 0 for float formats): ring slot s is blocks s * ring_blocks .. of each group."""
+        return self.groups[0].spec.layout.ring_pool_blocks
+
+    @property
+    def ring_slots(self) -> int:
+        """Ring slots the pools can hold at most (those of the smallest group)."""
+        lay = self.groups[0].spec.layout
+        return min(lay.ring_slots(self.blocks_of(g)) for g in range(len(self.groups)))
 
     @property
     def total_bytes(self) -> int:
-        return (sum(self.blocks_of(g) * self.block_bytes(g) for g in range(len(self.groups)))
-                + self.recent_slots * self.ring_bytes)
+        return sum(self.blocks_of(g) * self.block_bytes(g) for g in range(len(self.groups)))
 
     def salt(self, group: int) -> bytes:
         return self.model_salt + b"|" + self.groups[group].spec.tag()

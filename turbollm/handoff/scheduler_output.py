@@ -33,6 +33,7 @@ class NewRequestData:
     end_token_ids: list[int]  # what `min_tokens` masks: stop_token_ids, plus EOS unless ignore_eos
     block_ids: BlockIds
     num_computed_tokens: int  # tokens whose K/V are already in its blocks (a prefix-cache hit)
+    ring_slot: int = -1  # a quantized K/V format: its float16 ring of recent tokens (pool blocks the scheduler took)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class CachedRequestData:
     # (every group's table) before new blocks are appended; the sequence's table then starts that many
     # blocks later (`core/kv_eviction.py`)
     evicted_positions: list[int] = field(default_factory=list)
+    ring_slot: int = -1  # resumed under a quantized K/V format: its new ring slot
 
 
 @dataclass
@@ -58,6 +60,7 @@ class ForkData:
 
     seq_id: int
     index: int
+    ring_slot: int = -1  # a quantized K/V format: the sibling's own ring, a copy of its parent's
 
 
 @dataclass

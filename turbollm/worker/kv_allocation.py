@@ -13,5 +13,5 @@ def allocate_kv_storage(config: KVCacheConfig, layers: range | None = None) -> l
     for gi, g in enumerate(config.groups):
         for layer in g.layer_ids:
             if layers is None or layer in layers:
-                out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi), config.recent_slots)
+                out[layer] = LayerKVCache.allocate(g.spec.layout, config.blocks_of(gi))
     return out

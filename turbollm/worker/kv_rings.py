@@ -10,7 +10,9 @@ ring still holds it: a row of a small-query step reads the ring from its own bou
 one-token decode of its position would, so verification rows equal plain decodes. A draft token is
 never quantized (the window is longer than the drafts: `EngineArgs` checks), nor is a block a
 sliding window has released (it is never read).
-Slots come back when a sequence finishes or is preempted (a resumed one starts afresh).
+The scheduler side gives each sequence its slot (`NewRequestData.ring_slot`, a resumed one's in
+`CachedRequestData`, a sibling's in `ForkData`): the slot's blocks are pool blocks it took out of the pool
+for as long as the sequence runs (`attention/kv_storage.py`: the rings are a view of the pool's storage).
 """
 
 from __future__ import annotations
@@ -21,30 +23,26 @@ from turbollm.handoff.scheduler_output import NULL_BLOCK
 
 
 class RecentRings:
-    def __init__(self, kv_caches: list[LayerKVCache], layer_groups: list[int], num_slots: int):
+    def __init__(self, kv_caches: list[LayerKVCache], layer_groups: list[int]):
         self.kv_caches = [c for c in kv_caches if c is not None]  # a pipeline stage holds its layers' only
         lay = next(c.layout for c in self.kv_caches)
         self.window, self.block_size = lay.recent_window, lay.block_size
-        self.free = list(range(num_slots - 1, -1, -1))
         self.group_first_layer = [layer_groups.index(g) for g in range(max(layer_groups) + 1)]
 
-    def take(self, st) -> None:
-        """Give sequence state `st` a ring slot (its tokens from position st.num_computed_tokens on go there)."""
-        if st.ring_slot < 0:
-            if not self.free:
-                raise RuntimeError("internal error: more sequences than the quantized K/V format's ring slots")
-            st.ring_slot = self.free.pop()
+    def take(self, st, slot: int) -> None:
+        """Sequence state `st` writes its tokens from position st.num_computed_tokens on into ring `slot`."""
+        if slot < 0:
+            raise RuntimeError(f"internal error: sequence {st.seq_id} came without a ring slot for its recent tokens")
+        st.ring_slot = slot
         st.kv_qlo = st.ring_floor = st.num_computed_tokens
 
-    def give_back(self, st) -> None:
-        if st.ring_slot >= 0:
-            self.free.append(st.ring_slot)
-            st.ring_slot = -1
+    @staticmethod
+    def give_back(st) -> None:
+        st.ring_slot = -1
 
-    def fork(self, parent, child) -> None:
-        """A sibling forked off `parent`: its own slot, holding a copy of the parent's ring."""
-        child.ring_slot = -1
-        self.take(child)
+    def fork(self, parent, child, slot: int) -> None:
+        """A sibling forked off `parent` into ring `slot`: a copy of the parent's ring."""
+        self.take(child, slot)
         child.kv_qlo, child.ring_floor = parent.kv_qlo, parent.ring_floor
         for cache in self.kv_caches:
             cache.copy_ring(parent.ring_slot, child.ring_slot)

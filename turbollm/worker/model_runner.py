@@ -68,8 +68,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  backend: AttentionBackend, fused_decode: bool = True, seed: int | None = None,
                  layer_groups: list[int] | None = None, hooks: LayerHooks | None = None,
-                 group_attention: list[tuple[int | None, int]] | None = None, recent_slots: int = 0,
-                 score_rows: int = 0, layers: range | None = None, microbatches: int = 1):
+                 group_attention: list[tuple[int | None, int]] | None = None, score_rows: int = 0,
+                 layers: range | None = None, microbatches: int = 1):
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # per layer, its KV-cache group
         # the layers this runner runs: all, or its pipeline stage's (whose KV caches it alone holds)
@@ -89,7 +89,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.states: dict[int, SeqState] = {}
         quantized = any(c.layout.quant for c in kv_caches if c is not None)  # int8 / int4 K/V: each sequence's float16 ring
-        self.rings = RecentRings(kv_caches, self.layer_groups, recent_slots) if quantized else None
+        self.rings = RecentRings(kv_caches, self.layer_groups) if quantized else None
 
     # ------------------------------------------------------------------ state from the diffs
     def update_states(self, sched: SchedulerOutput) -> None:
@@ -107,7 +107,7 @@ class ModelRunner:
         for new in sched.new_reqs:
             self.states[new.seq_id] = st = self._new_state(new)
             if self.rings is not None:
-                self.rings.take(st)
+                self.rings.take(st, new.ring_slot)
         for c in sched.cached_reqs:
             st = self.states[c.seq_id]
             for pos in c.evicted_positions:  # before the new blocks: positions in the table as it was
@@ -124,7 +124,7 @@ class ModelRunner:
                     st.block_ids[group][pos] = block
             st.num_computed_tokens = c.num_computed_tokens
             if c.resumed_from_preemption and self.rings is not None:
-                self.rings.take(st)
+                self.rings.take(st, c.ring_slot)
         for sid, tokens in sched.scheduled_token_ids.items():
             st = self.states[sid]
             c = st.num_computed_tokens
@@ -260,7 +260,7 @@ class ModelRunner:
                     sibling = self._fork_state(st, fork)
                     self.states[fork.seq_id] = sibling
                     if self.rings is not None:
-                        self.rings.fork(st, sibling)
+                        self.rings.fork(st, sibling, fork.ring_slot)
                     rows.plain_hidden.append(qsl[i + 1] - 1)
                     rows.plain.append(sibling)
                 rows.plain_hidden.append(qsl[i + 1] - 1)

@@ -63,7 +63,7 @@ class Worker:
                                   get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
                                   seed=args.seed if sampler_seed is None else sampler_seed, hooks=hooks,
                                   layer_groups=kv_config.layer_groups,
-                                  group_attention=kv_config.group_attention, recent_slots=kv_config.recent_slots,
+                                  group_attention=kv_config.group_attention,
                                   score_rows=kv_config.score_rows, layers=layers,
                                   microbatches=args.pp_microbatches or args.pipeline_parallel_size)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
