@@ -132,7 +132,7 @@ def test_a_worker_that_cannot_start_says_why(tiny, tmp_path):
     engine = LLMEngine(EngineArgs(model=tiny, threads=1, distributed_executor_backend="mp"))
     engine.shutdown()
     with pytest.raises(ExecutorError, match="worker 0 failed to start(.|\n)*no-such-model"):
-        MultiprocExecutor(EngineArgs(model=str(tmp_path / "no-such-model")), engine.kv_config)
+        MultiprocExecutor(EngineArgs(model=str(tmp_path / "no-such-model")).engine_config(), engine.kv_config)
 
 
 def _generate(engine: LLMEngine, n: int = 3) -> list[int]:

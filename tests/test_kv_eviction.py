@@ -97,7 +97,7 @@ def test_scorers_accumulate_and_drop_entries():
     (dict(kv_policy="snapkv", kv_budget=40), "kv_budget 40"),  # not more than the recent 32 + a block
     (dict(kv_budget=64), "kv_budget applies to kv_policy 'h2o' or 'snapkv'"),
     (dict(kv_policy="h2o", kv_budget=64, kv_window=32), "kv_window applies"),
-    (dict(kv_policy="h2o", kv_budget=64, kv_cache_dtype="int8"), "kv_cache_dtype 'int8'"),
+    (dict(kv_policy="h2o", kv_budget=64, kv_cache_dtype="int8"), "does not take quantized K/V"),
     (dict(kv_policy="h2o", kv_budget=64, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative"),
 ])

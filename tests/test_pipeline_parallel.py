@@ -175,7 +175,7 @@ def test_microbatches_cut_sequences_by_tokens():
     (dict(pipeline_parallel_size=2, pp_layer_partition="2,1"), "pp_layer_partition 2,1"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "does not take speculative decoding"),
-    (dict(pipeline_parallel_size=2, kv_policy="h2o", kv_budget=64), "does not take pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=2, kv_policy="h2o", kv_budget=64), "does not take pipeline parallelism"),
 ])
 def test_impossible_pipelines_are_refused_before_any_rank_starts(tiny, kw, message, monkeypatch):
     import turbollm.executor.multiproc as multiproc

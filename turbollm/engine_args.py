@@ -1,11 +1,14 @@
-"""EngineArgs: every knob of the engine, with vLLM's names and CPU-sensible defaults."""
+"""EngineArgs: every knob of the engine, with vLLM's names and CPU-sensible defaults, flat as users give them;
+`engine_config()` groups them (engine_config.py), which also checks each group and the pairs of techniques."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from turbollm.engine_config import QMATMUL_PATHS  # noqa: F401 - the CLI reads the names here
+from turbollm.engine_config import (DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, CacheArgs, EngineConfig,
+                                    ModelArgs, ParallelArgs, SchedulerArgs)
 from turbollm.errors import InvalidRequestError
-from turbollm.kernels.forms import check_form
 from turbollm.spec_decode.config import parse_speculative_config
 
 GiB = 1 << 30
@@ -22,29 +25,11 @@ def _available_memory() -> int:
     return 8 * GiB
 
 
-# kv_cache_dtype names -> the torch dtype (by name: this module stays import-light for the CLI)
-# of the paged K/V storage; "auto" depends on the weights (AUTO_KV_DTYPE_QUANTIZED)
-KV_CACHE_DTYPES: dict[str, str] = {
-    "auto": "float32",
-    "float32": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    # quantized (attention/kv_storage.py): int8, or int4 packed two a byte (stored as uint8), with
-    # float16 scales; the newest kv_recent_window tokens of each sequence stay in float16
-    "int8": "int8",
-    "int4": "uint8",
-}
-QUANTIZED_KV = ("int8", "int4")
-DEFAULT_RECENT_WINDOW = 128  # tokens kept in float16 by a quantized K/V format
-
 # What "auto" means: a model whose linear weights are quantized (GGUF block types, the int8 /
 # int4 / int3 layouts, GPTQ and AWQ folders) runs with llama.cpp's default float16 cache (KL
 # against fp32 K/V: 5e-7 to 3e-6 nats/token measured, docs/BENCHMARKS.md); the fp32 reference
 # (linear method "none", or none named, as `eval ppl` measures the weights alone) keeps float32.
 AUTO_KV_DTYPE_QUANTIZED = "float16"
-
-# the quantized-matmul paths of turbollm.kernels.quant (by name: this module stays import-light)
-QMATMUL_PATHS = ("auto", "fast", "q8", "q8x2", "q16", "dequant")
 
 
 def kv_cache_torch_dtype(name: str, quantization: str | None = None):
@@ -127,97 +112,49 @@ class EngineArgs:
     speculative_config: object = None
 
     def __post_init__(self) -> None:
+        """Fill the defaults that depend on other arguments, then check every group and every pair of
+        techniques (engine_config.py) before anything loads."""
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
                                       f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size is None:
             self.block_size = 32 if self.kv_cache_dtype in QUANTIZED_KV else 16
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.dtype not in ("float32", "auto"):
-            raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
-        check_form(self.kernel_form)
-        if self.qmatmul is not None and self.qmatmul not in QMATMUL_PATHS:
-            raise InvalidRequestError(f"qmatmul {self.qmatmul!r}: choose one of {', '.join(QMATMUL_PATHS)}")
-        if self.tensor_parallel_size < 1:
-            raise InvalidRequestError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size < 1:
-            raise InvalidRequestError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        for name in ("pp_microbatches", "pp_steps_in_flight"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.pp_steps_in_flight is not None and self.pipeline_parallel_size == 1:
-            raise InvalidRequestError("pp_steps_in_flight takes pipeline stages (pipeline_parallel_size > 1)")
+        from turbollm.distributed.launch import torchrun_rank
         from turbollm.distributed.pipeline_parallel import parse_partition
 
         self.pp_layer_partition = parse_partition(self.pp_layer_partition)
-        from turbollm.distributed.launch import torchrun_rank
-
         if self.world_size > 1:  # one process per rank: spawned here, or started by torchrun
             self.distributed_executor_backend = "torchrun" if torchrun_rank() is not None else "mp"
         elif self.distributed_executor_backend == "torchrun":
             raise InvalidRequestError("distributed_executor_backend 'torchrun' takes ranks torchrun started: run under "
                                       "torchrun with tensor_parallel_size x pipeline_parallel_size > 1")
-        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
-            raise InvalidRequestError(f"pp_layer_partition gives {len(self.pp_layer_partition)} stages, "
-                                      f"pipeline_parallel_size is {self.pipeline_parallel_size}")
-        if self.distributed_executor_backend not in ("uni", "mp", "torchrun"):
-            raise InvalidRequestError(f"distributed_executor_backend {self.distributed_executor_backend!r}: choose "
-                                      "'uni' (the worker in this process), 'mp' (worker processes) or 'torchrun' "
-                                      "(ranks torchrun started)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        from turbollm.core.kv_policy import check_kv_policy, get_kv_policy
+        if self.kv_cache_dtype in QUANTIZED_KV and self.kv_recent_window is None:
+            self.kv_recent_window = DEFAULT_RECENT_WINDOW
+        self.engine_config().check()
+        spec = self.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        if self.kv_cache_dtype in QUANTIZED_KV and self.kv_recent_window <= k:
+            raise InvalidRequestError(f"kv_recent_window must be more than num_speculative_tokens ({k}), "
+                                      f"got {self.kv_recent_window}")
 
-        check_kv_policy(self.kv_policy_config(), self.block_size)  # unknown names, stray or bad options
-        if self.kv_policy == "streaming" and self.speculative_config is not None \
-                and self.speculative_config.method == "draft_model":
-            raise InvalidRequestError("kv_policy 'streaming' cannot run a draft model (the draft reads the target's "
-                                      "block table, whose released blocks it would need); use method 'ngram' or "
-                                      "'suffix'")
-        self._check_quantized_kv()
-        if self.world_size > 1 and self.quantization == "int8":
-            raise InvalidRequestError("quantization 'int8' equalizes channels on a calibration pass that does not "
-                                      "run sharded yet: with tensor_parallel_size or pipeline_parallel_size > 1 use "
-                                      "'int8-rtn' (or int4)")
-        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
-            raise InvalidRequestError("pipeline_parallel_size > 1 does not take speculative decoding yet")
-        if self.pipeline_parallel_size > 1 and get_kv_policy(self.kv_policy).evicts:
-            raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take pipeline_parallel_size > 1 yet "
-                                      "(its attention scores would have to be summed over the stages)")
-        if get_kv_policy(self.kv_policy).evicts:
-            if self.speculative_config is not None:
-                raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take speculative decoding (verified "
-                                          "drafts would vote in the attention scores)")
-            if self.kv_cache_dtype in QUANTIZED_KV:
-                raise InvalidRequestError(f"kv_policy {self.kv_policy!r} does not take kv_cache_dtype "
-                                          f"{self.kv_cache_dtype!r} (its scores are computed over float K/V)")
+    def engine_config(self) -> EngineConfig:
+        """These arguments in their groups (engine_config.py)."""
+        return EngineConfig(
+            ModelArgs(self.model, self.quantization, self.dtype, self.max_model_len, self.seed, self.threads,
+                      self.attention_backend, self.enforce_eager, self.qmatmul, self.kernel_form),
+            CacheArgs(self.block_size, self.kv_cache_memory, self.kv_cache_dtype, self.kv_recent_window,
+                      self.enable_prefix_caching, self.kv_policy, self.attention_sinks, self.kv_window, self.kv_budget),
+            ParallelArgs(self.distributed_executor_backend, self.tensor_parallel_size, self.tp_shared_memory,
+                         self.pipeline_parallel_size,
+                         tuple(self.pp_layer_partition) if self.pp_layer_partition is not None else None,
+                         self.pp_microbatches, self.pp_steps_in_flight),
+            self.speculative_config, SchedulerArgs(self.max_num_seqs, self.max_num_batched_tokens))
 
     @property
     def world_size(self) -> int:
         """Worker processes: tensor_parallel_size × pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def _check_quantized_kv(self) -> None:
-        quantized = self.kv_cache_dtype in QUANTIZED_KV
-        if self.kv_recent_window is not None and not quantized:
-            raise InvalidRequestError(f"kv_recent_window applies to kv_cache_dtype int8 or int4, not "
-                                      f"{self.kv_cache_dtype!r}")
-        if not quantized:
-            return
-        if self.kv_recent_window is None:
-            self.kv_recent_window = DEFAULT_RECENT_WINDOW
-        spec = self.speculative_config
-        k = spec.num_speculative_tokens if spec is not None else 0
-        if self.kv_recent_window < 0 or self.kv_recent_window <= k:
-            raise InvalidRequestError(f"kv_recent_window must be >= 0 and more than num_speculative_tokens ({k}), "
-                                      f"got {self.kv_recent_window}")
-        if self.kv_policy == "streaming":
-            raise InvalidRequestError(f"kv_policy 'streaming' does not take kv_cache_dtype {self.kv_cache_dtype!r} "
-                                      "yet (its sinks are read in float16 or float32 K/V only)")
 
     def kv_policy_config(self):
         """The KV policy with its options (`core/kv_policy.KVPolicyConfig`)."""

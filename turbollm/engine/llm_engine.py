@@ -104,7 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, batched_tokens(args), self.max_model_len,
                                    spec.num_speculative_tokens if spec is not None else 0,
                                    spec is not None and drafts_write_kv(spec))
-        self.executor = executor_cls(args, self.kv_config, loaded, self._draft_kv_config(draft_desc))
+        self.executor = executor_cls(args.engine_config(), self.kv_config, loaded, self._draft_kv_config(draft_desc))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._req_ids = itertools.count()
         # steps handed to the executor and not yet collected, with when each went (pipeline stages: several)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-from turbollm.engine_args import EngineArgs
+from turbollm.engine_config import EngineConfig
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
@@ -25,9 +25,10 @@ class Executor(ABC):
     whose worker runs here; `draft_kv_config`: a draft model's K/V (speculative decoding), for the worker
     that drafts."""
 
-    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None,
+    def __init__(self, config: EngineConfig, kv_config: KVCacheConfig, loaded=None,
                  draft_kv_config: KVCacheConfig | None = None):
-        self.args, self.kv_config, self.draft_kv_config = args, kv_config, draft_kv_config
+        self.config, self.kv_config, self.draft_kv_config = config, kv_config, draft_kv_config
+        self.workers_config = config.for_workers()  # what the workers read (no scheduler limits)
         self.footprint = None  # the workers' ModelFootprint, set once they have loaded the model
         self._submitted: deque[SchedulerOutput] = deque()  # steps handed out, not yet collected
 

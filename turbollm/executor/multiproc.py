@@ -50,14 +50,14 @@ POLL_S = 1.0
 HANG_GRACE_S = 2.0  # after a rank fails a step's collectives, how long the others may take to answer
 
 
-def _worker_main(conn, args, kv_config, rank=0, init_method=None, sampler_seed=None, shm_files=None,
+def _worker_main(conn, config, kv_config, rank=0, init_method=None, sampler_seed=None, shm_files=None,
                  draft_kv_config=None) -> None:
     """The worker process: build the worker, then run steps until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from turbollm.worker.worker import Worker
 
-        worker = Worker(args, kv_config, rank=rank, init_method=init_method, sampler_seed=sampler_seed,
+        worker = Worker(config, kv_config, rank=rank, init_method=init_method, sampler_seed=sampler_seed,
                         shm_files=shm_files, draft_kv_config=draft_kv_config)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", 0, traceback.format_exc()))
@@ -141,23 +141,25 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, args, kv_config, loaded=None, draft_kv_config=None):
-        super().__init__(args, kv_config, loaded, draft_kv_config)
+    def __init__(self, config, kv_config, loaded=None, draft_kv_config=None):
+        super().__init__(config, kv_config, loaded, draft_kv_config)
+        par = config.parallel
         ctx = mp.get_context("spawn")
-        n, tp = args.world_size, args.tensor_parallel_size
+        n, tp = par.world_size, par.tensor_parallel_size
         # the ranks' rendezvous (a free local port) and their samplers' common seed
         init_method = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
-        seed = args.seed if args.seed is not None or n == 1 else random.SystemRandom().getrandbits(62)
+        seed = config.model.seed
+        seed = seed if seed is not None or n == 1 else random.SystemRandom().getrandbits(62)
         # one shared-memory exchange per pipeline stage's tensor-parallel group
-        shm = [ShmFiles.create(tp) for _ in range(args.pipeline_parallel_size)] \
-            if tp > 1 and args.tp_shared_memory else None
+        shm = [ShmFiles.create(tp) for _ in range(par.pipeline_parallel_size)] \
+            if tp > 1 and par.tp_shared_memory else None
         self._tp = tp
         self._last_stage = range(n - tp, n)  # the ranks that sample: the step's output is the first one's
         self._procs, self._conns = [], []
         for rank in range(n):
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"turbollm-worker-{rank}", daemon=True,
-                               args=(child, args, kv_config, rank, init_method, seed, shm, draft_kv_config))
+                               args=(child, self.workers_config, kv_config, rank, init_method, seed, shm, draft_kv_config))
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -166,7 +168,7 @@ class MultiprocExecutor(Executor):
         self._step = 0
         self._broken: str | None = None  # several ranks: why they can no longer run steps together
         # pipeline stages run steps in flight: stage 0 takes step k + 1 while the later stages finish step k
-        self.max_steps_in_flight = args.pp_steps_in_flight or args.pipeline_parallel_size
+        self.max_steps_in_flight = par.pp_steps_in_flight or par.pipeline_parallel_size
         self._in_flight: deque[int] = deque()  # the numbers of the steps sent and not collected, oldest first
         self._early: dict[int, dict[int, tuple]] = {}  # replies to a step in flight, come while waiting on an older one
         try:

@@ -35,30 +35,32 @@ logger = init_logger()
 
 
 class TorchrunExecutor(Executor):
-    def __init__(self, args, kv_config, loaded=None, draft_kv_config=None):
+    def __init__(self, config, kv_config, loaded=None, draft_kv_config=None):
         from turbollm.worker.worker import Worker
 
-        super().__init__(args, kv_config, loaded, draft_kv_config)
+        super().__init__(config, kv_config, loaded, draft_kv_config)
+        par = config.parallel
         self._group = join_control_group()
         world = dist.get_world_size()
-        if world != args.world_size:
+        if world != par.world_size:
             broadcast((None, None, None, None), self._group)  # the workers stop (they cannot build a worker)
             dist.destroy_process_group()
             raise ExecutorError(f"torchrun started {world} processes, but tensor_parallel_size "
-                                f"{args.tensor_parallel_size} x pipeline_parallel_size {args.pipeline_parallel_size} "
-                                f"needs {args.world_size}")
-        if (args.pp_steps_in_flight or 1) > 1:
+                                f"{par.tensor_parallel_size} x pipeline_parallel_size {par.pipeline_parallel_size} "
+                                f"needs {par.world_size}")
+        if (par.pp_steps_in_flight or 1) > 1:
             logger.warning("ranks torchrun started run a step at a time: pp_steps_in_flight %d is not used",
-                           args.pp_steps_in_flight)
-        seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(62)
-        broadcast((args, kv_config, seed, draft_kv_config), self._group)
-        self._out_rank = args.world_size - args.tensor_parallel_size
+                           par.pp_steps_in_flight)
+        seed = config.model.seed if config.model.seed is not None else random.SystemRandom().getrandbits(62)
+        broadcast((self.workers_config, kv_config, seed, draft_kv_config), self._group)
+        self._out_rank = par.world_size - par.tensor_parallel_size
         self._broken: str | None = None
         self._closed = False
         self._job: _Round | None = None  # the latest round given to the rounds' thread
         failure = None
         try:
-            self.worker = Worker(args, kv_config, rank=0, sampler_seed=seed, draft_kv_config=draft_kv_config)
+            self.worker = Worker(self.workers_config, kv_config, rank=0, sampler_seed=seed,
+                                 draft_kv_config=draft_kv_config)
             mine = ("ok", (self.worker.footprint(), whereabouts()))
         except BaseException as e:  # noqa: BLE001 - the others still answer the gather
             mine, failure = ("error", repr(e)), e
@@ -75,7 +77,7 @@ class TorchrunExecutor(Executor):
                 pass
             rank, payload = failed[0]
             raise ExecutorError(f"rank {rank} failed to start:\n{payload}") from (failure if rank == 0 else None)
-        self._set_footprints([p[0] for _, p in replies], args.tensor_parallel_size)
+        self._set_footprints([p[0] for _, p in replies], par.tensor_parallel_size)
         self._where = [p[1] for _, p in replies]  # each rank's whereabouts: who to name when one is gone
         self._watch = HangWatch(self._where)
         self._sent = 0  # messages sent to the ranks since they started (the heartbeats count the same)
@@ -257,19 +259,19 @@ def run_worker() -> bool:
     group = join_control_group()
     rank = dist.get_rank()
     beat = Heartbeat(rank)
-    args, kv_config, seed, draft_kv_config = broadcast(None, group)
-    if args is None:  # rank 0 refused the split (it says why)
+    config, kv_config, seed, draft_kv_config = broadcast(None, group)
+    if config is None:  # rank 0 refused the split (it says why)
         dist.destroy_process_group()
         return False
     try:
-        worker = Worker(args, kv_config, rank=rank, sampler_seed=seed, draft_kv_config=draft_kv_config)
+        worker = Worker(config, kv_config, rank=rank, sampler_seed=seed, draft_kv_config=draft_kv_config)
     except BaseException:  # noqa: BLE001 - reported to rank 0, which raises it; then its shutdown
         gather(("error", traceback.format_exc()), group)
         broadcast(None, group)
         dist.destroy_process_group()
         return False
     gather(("ok", (worker.footprint(), whereabouts())), group)
-    out_rank = args.world_size - args.tensor_parallel_size  # the first rank of the last stage
+    out_rank = config.parallel.world_size - config.parallel.tensor_parallel_size  # the first rank of the last stage
     try:
         step = 0
         while True:

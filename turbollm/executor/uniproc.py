@@ -9,9 +9,9 @@ from turbollm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, args, kv_config, loaded=None, draft_kv_config=None):
-        super().__init__(args, kv_config, loaded, draft_kv_config)
-        self.worker = Worker(args, kv_config, loaded, draft_kv_config=draft_kv_config)
+    def __init__(self, config, kv_config, loaded=None, draft_kv_config=None):
+        super().__init__(config, kv_config, loaded, draft_kv_config)
+        self.worker = Worker(self.workers_config, kv_config, loaded, draft_kv_config=draft_kv_config)
         self.footprint = self.worker.footprint()
 
     @property

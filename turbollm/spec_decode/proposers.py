@@ -19,10 +19,9 @@ from turbollm.spec_decode.config import SpeculativeConfig
 
 @dataclass
 class ProposerContext:
-    """What a proposer may need of the worker beyond its config (a draft model: the engine's arguments,
-    the KV pool's block size, where a sequence's block table is, how to load the draft's runner)."""
+    """What a proposer may need of the worker beyond its config (a draft model: the KV pool's block size,
+    where a sequence's block table is, how to load the draft's runner)."""
 
-    args: Any = None  # EngineArgs
     block_size: int = 16  # tokens per KV block of the target
     block_table: Callable[[int], list[int]] | None = None  # seq_id -> its (group 0) block table, live
     make_draft_runner: Callable[[SpeculativeConfig], Any] | None = None  # worker/draft_runner.py's DraftRunner.load

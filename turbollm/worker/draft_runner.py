@@ -27,8 +27,10 @@ class DraftRunner:
         self.loaded, self.runner = loaded, runner
 
     @classmethod
-    def load(cls, config, args, draft_kv, block_size: int) -> "DraftRunner":
-        """`draft_kv`: the draft's `KVCacheConfig`, sized by the engine (the target's number of blocks)."""
+    def load(cls, config, model, draft_kv, block_size: int) -> "DraftRunner":
+        """`config`: the `SpeculativeConfig`; `model`: the target's `ModelArgs` (matmul path, kernel form,
+        attention backend: the draft computes as the target does); `draft_kv`: the draft's `KVCacheConfig`,
+        sized by the engine (the target's number of blocks)."""
         from turbollm.attention import get_attention_backend
         from turbollm.distributed import single_rank
         from turbollm.kernels.forms import resolve_form
@@ -41,12 +43,12 @@ class DraftRunner:
             loaded = load_model(config.model, quantization=config.quantization)
         if config.draft_vocab_size is not None and config.draft_vocab_size < loaded.config.vocab_size:
             loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
-        set_qmatmul(loaded.model, args.qmatmul)
-        set_kernel_form(loaded.model, resolve_form(args.kernel_form))
+        set_qmatmul(loaded.model, model.qmatmul)
+        set_kernel_form(loaded.model, resolve_form(model.kernel_form))
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), block_size,
-                             get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
+                             get_attention_backend(model.attention_backend), fused_decode=not model.enforce_eager,
                              layer_groups=draft_kv.layer_groups)
         return cls(loaded, runner)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from turbollm.engine_config import ModelArgs
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
@@ -26,17 +27,18 @@ class Drafter:
         self.proposer = proposer
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, args, states: dict, block_size: int,
+    def build(cls, config: SpeculativeConfig, model: ModelArgs, states: dict, block_size: int,
               draft_kv_config: KVCacheConfig | None) -> "Drafter":
         """The proposer `config` names, for a runner whose per-sequence states are `states` (seq_id ->
-        `SeqState`); `draft_kv_config`: a draft model's K/V, sized by the engine (the target pool's blocks)."""
+        `SeqState`); `model`: the target's (a draft model computes as it does); `draft_kv_config`: a draft
+        model's K/V, sized by the engine (the target pool's blocks)."""
         def load_draft(cfg: SpeculativeConfig):
             from turbollm.worker.draft_runner import DraftRunner
 
-            return DraftRunner.load(cfg, args, draft_kv_config, block_size)
+            return DraftRunner.load(cfg, model, draft_kv_config, block_size)
 
         return cls(make_proposer(config, ProposerContext(
-            args, block_size, block_table=lambda seq_id: states[seq_id].block_ids[0], make_draft_runner=load_draft)))
+            block_size, block_table=lambda seq_id: states[seq_id].block_ids[0], make_draft_runner=load_draft)))
 
     def before_step(self, sched: SchedulerOutput, states: dict) -> None:
         """What ended since the last step: finished sequences (their generated tokens, for a proposer that

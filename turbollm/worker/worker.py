@@ -16,7 +16,7 @@ import os
 import torch
 
 from turbollm.attention import get_attention_backend
-from turbollm.engine_args import EngineArgs
+from turbollm.engine_config import WorkerConfig
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
@@ -30,47 +30,48 @@ from turbollm.worker.model_runner import ModelRunner
 
 
 class Worker:
-    """`rank` / `init_method`: with tensor_parallel_size N × pipeline_parallel_size M > 1, this worker is
+    """`config`: the engine's groups a worker reads (model, cache, parallel, speculative; engine_config.py).
+    `rank` / `init_method`: with tensor_parallel_size N × pipeline_parallel_size M > 1, this worker is
     rank `rank` of N × M joined at `init_method` (distributed/tensor_parallel.py): it keeps its shard of
     the weights and of the KV heads of its stage's layers (distributed/pipeline_parallel.py); `sampler_seed` is the seed every rank's sampler shares (so their draws stay in step);
     `shm_files`: the shared-memory exchange of ranks on one host (distributed/shm_comm.py)."""
 
-    def __init__(self, args: EngineArgs, kv_config: KVCacheConfig, loaded=None, rank: int = 0,
+    def __init__(self, config: WorkerConfig, kv_config: KVCacheConfig, loaded=None, rank: int = 0,
                  init_method: str | None = None, sampler_seed: int | None = None, shm_files=None,
                  draft_kv_config: KVCacheConfig | None = None):
         from turbollm.loader import load_model
 
         tune_malloc()  # per process: the worker's forward passes are what it is for
-        tp, world = args.tensor_parallel_size, args.world_size
-        threads = args.threads or (torch.get_num_threads() if world > 1 else None)  # ranks split the cores
+        model, par = config.model, config.parallel
+        tp, world = par.tensor_parallel_size, par.world_size
+        threads = model.threads or (torch.get_num_threads() if world > 1 else None)  # ranks split the cores
         if threads:  # (of this host: under torchrun, the ranks torchrun started here)
             torch.set_num_threads(max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         hooks, layers = None, None
         if world > 1:
             from turbollm.distributed.tensor_parallel import all_reduce_hook, init_parallel
 
-            if args.pipeline_parallel_size > 1:  # this rank's stage: its range of layers
-                stage, counts = rank // tp, args.pp_layer_partition
+            if par.pipeline_parallel_size > 1:  # this rank's stage: its range of layers
+                stage, counts = rank // tp, par.pp_layer_partition
                 layers = range(sum(counts[:stage]), sum(counts[:stage + 1]))
-            init_parallel(rank, tp, init_method, shm_files, args.pipeline_parallel_size, layers)
+            init_parallel(rank, tp, init_method, shm_files, par.pipeline_parallel_size, layers)
             if tp > 1:
                 hooks = LayerHooks(attn_out=all_reduce_hook, mlp_out=all_reduce_hook)  # row-parallel partial sums
         self.rank = rank
-        self.loaded = loaded or load_model(args.model, quantization=args.quantization)
-        set_qmatmul(self.loaded.model, args.qmatmul)  # this engine's numerics, on its model only
-        set_kernel_form(self.loaded.model, resolve_form(args.kernel_form))  # and its kernels' weight layout
-        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config, layers), args.block_size,
-                                  get_attention_backend(args.attention_backend), fused_decode=not args.enforce_eager,
-                                  seed=args.seed if sampler_seed is None else sampler_seed, hooks=hooks,
-                                  layer_groups=kv_config.layer_groups,
-                                  group_attention=kv_config.group_attention,
+        self.loaded = loaded or load_model(model.model, quantization=model.quantization)
+        set_qmatmul(self.loaded.model, model.qmatmul)  # this engine's numerics, on its model only
+        set_kernel_form(self.loaded.model, resolve_form(model.kernel_form))  # and its kernels' weight layout
+        block_size = config.cache.block_size
+        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config, layers), block_size,
+                                  get_attention_backend(model.attention_backend), fused_decode=not model.enforce_eager,
+                                  seed=model.seed if sampler_seed is None else sampler_seed, hooks=hooks,
+                                  layer_groups=kv_config.layer_groups, group_attention=kv_config.group_attention,
                                   score_rows=kv_config.score_rows, layers=layers,
-                                  microbatches=args.pp_microbatches or args.pipeline_parallel_size)
+                                  microbatches=par.pp_microbatches or par.pipeline_parallel_size)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
-        if args.speculative_config is not None and rank == args.world_size - tp:
-            self.drafter = Drafter.build(args.speculative_config, args, self.runner.states, args.block_size,
-                                         draft_kv_config)
+        if config.speculative is not None and rank == world - tp:
+            self.drafter = Drafter.build(config.speculative, model, self.runner.states, block_size, draft_kv_config)
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""
