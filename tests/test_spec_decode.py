@@ -164,13 +164,16 @@ def test_bad_configs_fail_before_loading(config, match):
 
 
 def test_row_limit_is_the_kernels_row_invariant_range():
-    """The scheduler's row limit is the kernels' row-invariant range."""
+    """The scheduler's row limit is the kernels' row-invariant range, and K's bound their small-query range
+    (kernels/limits.py against the built module's own constants)."""
     from conftest import require_kernels
+    from turbollm.kernels.limits import ROW_INVARIANT_ROWS, SMALL_QUERY_MAX
     from turbollm.kernels.quant import Q8X2_MAX_TOKENS
-    from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
+    from turbollm.spec_decode.config import MAX_SPECULATIVE_TOKENS
 
-    assert ROW_INVARIANT_ROWS == Q8X2_MAX_TOKENS
-    assert ROW_INVARIANT_ROWS == require_kernels().dense_max_rows  # strict mode: fails if the kernels do not build
+    kernels = require_kernels()  # strict mode: fails if the kernels do not build
+    assert ROW_INVARIANT_ROWS == Q8X2_MAX_TOKENS == kernels.dense_max_rows
+    assert SMALL_QUERY_MAX == kernels.small_query_max == MAX_SPECULATIVE_TOKENS + 1
 
 
 def test_steps_stay_within_the_row_invariant_range(tiny):

@@ -12,9 +12,10 @@ from typing import Callable
 import torch
 
 from turbollm.attention.key_mass import accumulate_key_mass
-from turbollm.attention.kv_quant import SMALL_QUERY_MAX, gather_reference, write_reference
+from turbollm.attention.kv_quant import gather_reference, write_reference
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.attention.metadata import AttentionMetadata
+from turbollm.kernels.limits import SMALL_QUERY_MAX
 
 ATTENTION_BACKENDS: dict[str, type["AttentionBackend"]] = {}
 

@@ -22,11 +22,6 @@ import torch
 from turbollm.attention.kv_storage import LayerKVCache
 
 
-# Steps where no sequence brings more than this many tokens read through the decode kernel, one
-# decode per row (kernels/csrc/ops.h kSmallQueryMax): each row then reads the ring from its own bound.
-SMALL_QUERY_MAX = 8
-
-
 @dataclass
 class RecentMeta:
     """Per sequence of a step: its slot's ring, its first new position, the end of its quantized part

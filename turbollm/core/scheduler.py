@@ -50,7 +50,7 @@ from turbollm.core.scheduler_spec import SpeculationPlanning
 from turbollm.core.sequence import Sequence, SequenceStatus
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.handoff.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
-from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
+from turbollm.kernels.limits import ROW_INVARIANT_ROWS
 
 
 @dataclass

@@ -17,7 +17,7 @@ from turbollm.core.sequence import Sequence
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.spec_decode.adaptive import AdaptivePlanner
-from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
+from turbollm.kernels.limits import ROW_INVARIANT_ROWS
 
 
 class SpeculationPlanning:

@@ -57,7 +57,7 @@ from turbollm.log import init_logger
 from turbollm.outputs import RequestOutput
 from turbollm.sampling_params import SamplingParams
 from turbollm.spec_decode.adaptive import AdaptivePlanner
-from turbollm.spec_decode.config import ROW_INVARIANT_ROWS
+from turbollm.kernels.limits import ROW_INVARIANT_ROWS
 from turbollm.spec_decode.draft_model import check_draft_model
 from turbollm.spec_decode.proposers import drafts_write_kv
 from turbollm.worker.malloc_tuning import tune_malloc

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from turbollm.formats.ggml_types import dequantize, dequantize_rows
 from turbollm.formats.packing import unpack_3bit
 from turbollm.kernels import get_quant_kernels
+from turbollm.kernels.limits import ROW_INVARIANT_ROWS
 
 #: Type ids of the non-GGML formats in the C++ kernel table.
 INT8_PER_CHANNEL = 1000
@@ -69,7 +70,7 @@ INT3_GROUPWISE = 1002
 #: M = 16 q16 beats dequant + sgemm on the legacy types (Q4_0 1536->8960 3.6 vs 4.5 ms, Q8_0 3.4 vs
 #: 4.9, 576->1536 0.28-0.30 vs 0.31-0.33) and the k-quants' q8x2 ties it (Q4_K 4.70 vs 4.44, Q6_K
 #: 4.24 vs 4.45); q8x2 stays at a flat ~90-100 GOP/s whatever M, dequant + sgemm climbs with M.
-Q8X2_MAX_TOKENS = 16
+Q8X2_MAX_TOKENS = ROW_INVARIANT_ROWS  # (16: kernels/limits.py)
 
 #: "fast": the q8 kernels up to this many tokens, dequantize + sgemm above. Measured (1 thread,
 #: K=1536 N=1024 and 8960): q8 runs at a flat ~55-95 GOP/s whatever M, dequant + sgemm climbs

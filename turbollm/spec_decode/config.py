@@ -6,8 +6,8 @@ take, with vLLM's field names, checked before anything is loaded.
     {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
 
 `num_speculative_tokens` (K) is at most `MAX_SPECULATIVE_TOKENS` = 7: a verification step then
-brings at most 8 tokens of a sequence, the range in which the decode path is row-invariant
-(docs/ARCHITECTURE.md, "Row invariance") and greedy speculation therefore token-exact. `adaptive`
+brings at most 8 tokens of a sequence, the decode kernel's small-query range (kernels/limits.py), in
+which the decode path is row-invariant and greedy speculation therefore token-exact. `adaptive`
 (default true) lets the engine choose K per step from measured acceptance and step costs, down to 0;
 false pins K. Every error names the field.
 """
@@ -19,14 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.limits import SMALL_QUERY_MAX
 
 METHODS = ("ngram", "suffix", "draft_model")
-#: rows of a step within which the matmuls compute each row alone (kernels.quant.Q8X2_MAX_TOKENS,
-#: the C++ dense_max_rows): the scheduler drafts only while a step stays within them, so that a
-#: verified row is bit for bit the decode of its position (tests/test_spec_decode.py holds them equal)
-ROW_INVARIANT_ROWS = 16
-#: the last sampled token plus K drafts stay within the decode kernel's small-query range (8)
-MAX_SPECULATIVE_TOKENS = 7
+#: the last sampled token plus K drafts stay within the decode kernel's small-query range
+MAX_SPECULATIVE_TOKENS = SMALL_QUERY_MAX - 1
 _SUFFIX_FIELDS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                   "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
 _DRAFT_FIELDS = {"quantization", "draft_vocab_size"}
