@@ -13,11 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turbollm.attention.kv_quant import (RecentMeta, dequantize_k, dequantize_v, gather_reference, quantize_k,
-                                         quantize_v, write_reference)
+from turbollm.attention.kv_formats import KV_FORMATS, kv_format
+from turbollm.attention.kv_quant import RecentMeta, gather_reference, write_reference
 from turbollm.attention.kv_storage import KVLayout, LayerKVCache
 from turbollm.engine_args import EngineArgs
 from turbollm.errors import InvalidRequestError
+
+FORMATS = {f.name: f for f in KV_FORMATS.values()}  # the registered K/V formats by kv_cache_dtype name
 
 
 @pytest.mark.parametrize("quant,levels", [("int8", 127), ("int4", 15)])
@@ -25,18 +27,27 @@ def test_round_trip_within_half_a_step(quant, levels):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 32, 2, 64, generator=g) * torch.linspace(0.1, 8, 64)  # outlier channels
     x[1, :, :, 5] = 0.0  # an all-zero channel: scale 0, no NaN
-    kq, ks = quantize_k(x, quant)
-    kd = dequantize_k(kq, ks, quant)
+    fmt = FORMATS[quant]
+    kq, ks = fmt.quantize_k(x)
+    kd = fmt.dequantize_k(kq, ks)
     step_k = ks.float() if quant == "int8" else ks[:, 0].float()
     assert torch.isfinite(kd).all()
     assert ((kd - x).abs() <= step_k[:, None] * 0.5 + 1e-6 + x.abs() * 1e-3).all()
-    vq, vs = quantize_v(x, quant)
-    vd = dequantize_v(vq, vs, quant)
+    vq, vs = fmt.quantize_v(x)
+    vd = fmt.dequantize_v(vq, vs)
     step_v = vs.float() if quant == "int8" else vs[..., 0].float()
     assert ((vd - x).abs() <= step_v[..., None] * 0.5 + 1e-6 + x.abs() * 1e-3).all()
     assert kq.dtype == (torch.int8 if quant == "int8" else torch.uint8) and ks.dtype == torch.float16
     if quant == "int4":
         assert kq.shape[-1] == 32 and vq.shape[-1] == 32  # two values a byte
+
+
+def test_formats_are_registered_by_storage_dtype():
+    assert {f.name: (f.dtype, f.bits) for f in KV_FORMATS.values()} == {
+        "float32": (torch.float32, 0), "float16": (torch.float16, 0), "int8": (torch.int8, 8), "int4": (torch.uint8, 4)}
+    assert KVLayout(torch.uint8, 32, 2, 64, 128).format is kv_format(torch.uint8)
+    with pytest.raises(ValueError, match="no K/V storage format"):
+        kv_format(torch.bfloat16)
 
 
 def test_bytes_per_token_against_float16():
@@ -79,8 +90,9 @@ def test_store_quantizes_what_left_the_window_and_keeps_the_rest(quant):
         k, v = gather_reference(cache, tables[i], slots[i], qlo[i], L)
         tk, tv = truth[i, :, 0], truth[i, :, 1]
         nb = qlo[i] // bs
-        want_k = dequantize_k(*quantize_k(tk[:qlo[i]].view(nb, bs, *tk.shape[1:]), quant), quant).flatten(0, 1)
-        want_v = dequantize_v(*quantize_v(tv[:qlo[i]], quant), quant)
+        fmt = FORMATS[quant]
+        want_k = fmt.dequantize_k(*fmt.quantize_k(tk[:qlo[i]].view(nb, bs, *tk.shape[1:]))).flatten(0, 1)
+        want_v = fmt.dequantize_v(*fmt.quantize_v(tv[:qlo[i]]))
         torch.testing.assert_close(k[:qlo[i]], want_k)
         torch.testing.assert_close(v[:qlo[i]], want_v)
         torch.testing.assert_close(k[qlo[i]:], tk[qlo[i]:].half().float())  # the recent window: float16

@@ -147,7 +147,8 @@ def test_draft_model_runs_in_the_worker_processes(models, parallel):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = _tokens(plain, prompts, greedy)
     plain.engine.shutdown()
-    spec = LLM(models["qwen"], **kw, speculative_config=_draft(models["noisy"], 3))
+    # (its head cut to 256 ids: built whole on a tensor-parallel rank too)
+    spec = LLM(models["qwen"], **kw, speculative_config={**_draft(models["noisy"], 3), "draft_vocab_size": 256})
     try:
         assert _tokens(spec, prompts, greedy) == want
         c = spec.engine.scheduler.spec_counts

@@ -8,9 +8,7 @@ tokens still in the recent window go to the ring. `RecentMeta` says, per sequenc
 quantized part ends before (`qlo_old`) and after (`qlo_new`) the step: block-aligned positions;
 positions below `qlo_new` are read from the pool, the rest from the ring (`gather_reference`).
 
-int8 is symmetric (scale = max|x| / 127); int4 asymmetric (scale = (max - min) / 15, minimum kept,
-values 0..15 packed two a byte, even channel in the low nibble). Scales are rounded to float16
-before they divide, so the stored scale is the one that was used.
+The formats' own quantization (int8 symmetric, int4 asymmetric packed) is theirs: attention/kv_formats.py.
 """
 
 from __future__ import annotations
@@ -37,55 +35,6 @@ class RecentMeta:
     row_qlo: list[int]
 
 
-def quantize_k(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., bs, H, D] (blocks' keys) -> (values, scales): int8 [..., bs, H, D] and [..., H, D], or int4
-    packed [..., bs, H, D/2] and [..., 2, H, D] (scale, minimum) — per channel over the block's tokens."""
-    x = x.float()
-    if quant == "int8":
-        s = (x.abs().amax(-3) / 127).half().float()
-        q = torch.round(x / torch.where(s > 0, s, 1).unsqueeze(-3)).clamp(-127, 127).to(torch.int8)
-        return q, s.half()
-    mn, mx = x.amin(-3).half().float(), x.amax(-3)
-    s = ((mx - mn) / 15).half().float()
-    q = torch.round((x - mn.unsqueeze(-3)) / torch.where(s > 0, s, 1).unsqueeze(-3)).clamp(0, 15).to(torch.uint8)
-    return _pack(q), torch.stack([s, mn], -3).half()
-
-
-def quantize_v(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H, D] -> (values, scales): int8 and [..., H], or int4 packed and [..., H, 2] — per token."""
-    x = x.float()
-    if quant == "int8":
-        s = (x.abs().amax(-1) / 127).half().float()
-        q = torch.round(x / torch.where(s > 0, s, 1)[..., None]).clamp(-127, 127).to(torch.int8)
-        return q, s.half()
-    mn, mx = x.amin(-1).half().float(), x.amax(-1)
-    s = ((mx - mn) / 15).half().float()
-    q = torch.round((x - mn[..., None]) / torch.where(s > 0, s, 1)[..., None]).clamp(0, 15).to(torch.uint8)
-    return _pack(q), torch.stack([s, mn], -1).half()
-
-
-def dequantize_k(q: torch.Tensor, s: torch.Tensor, quant: str) -> torch.Tensor:
-    """Blocks' keys [n, bs, H, D*] with scales [n, H, D] / [n, 2, H, D] -> float32 [n, bs, H, D]."""
-    if quant == "int8":
-        return q.float() * s.float()[:, None]
-    return _unpack(q).float() * s[:, 0].float()[:, None] + s[:, 1].float()[:, None]
-
-
-def dequantize_v(q: torch.Tensor, s: torch.Tensor, quant: str) -> torch.Tensor:
-    """Blocks' values [n, bs, H, D*] with scales [n, bs, H] / [n, bs, H, 2] -> float32 [n, bs, H, D]."""
-    if quant == "int8":
-        return q.float() * s.float()[..., None]
-    return _unpack(q).float() * s[..., 0].float()[..., None] + s[..., 1].float()[..., None]
-
-
-def _pack(q: torch.Tensor) -> torch.Tensor:
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def _unpack(p: torch.Tensor) -> torch.Tensor:
-    return torch.stack([p & 15, p >> 4], -1).flatten(-2)
-
-
 def ring_block(cache: LayerKVCache, slot: int, block_index: int) -> int:
     """The ring block holding a sequence's block `block_index` (positions block_index * bs ..)."""
     m = cache.layout.ring_blocks
@@ -103,7 +52,7 @@ def write_reference(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, block
     """Store a step's new K/V rows [T, Hk, D] (sequence i's are rows qsl[i]:qsl[i+1], at positions
     first_pos[i] ..): quantize the blocks between qlo_old and qlo_new, put the newer tokens in the ring."""
     lay = cache.layout
-    bs, quant, tail = lay.block_size, lay.quant, lay.block_shape[1:]
+    bs, fmt, tail = lay.block_size, lay.format, lay.block_shape[1:]
     rk, rv = cache.k_recent.view(-1, *tail), cache.v_recent.view(-1, *tail)
     for i, slot in enumerate(recent.slots):
         rows = slice(query_start_loc[i], query_start_loc[i + 1])
@@ -114,8 +63,8 @@ def write_reference(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, block
             kb = torch.cat([rk[old].float(), kn[fresh].float()]).view(-1, bs, *tail)
             vb = torch.cat([rv[old].float(), vn[fresh].float()]).view(-1, bs, *tail)
             blocks = block_tables[i, lo // bs:hi // bs]
-            kq, ks = quantize_k(kb, quant)
-            vq, vs = quantize_v(vb, quant)
+            kq, ks = fmt.quantize_k(kb)
+            vq, vs = fmt.quantize_v(vb)
             cache.k[blocks], cache.k_scale[blocks], cache.v[blocks], cache.v_scale[blocks] = kq, ks, vq, vs
         start = max(c, hi)
         new = ring_rows(cache, slot, range(start, c + kn.shape[0]))
@@ -131,8 +80,8 @@ def gather_reference(cache: LayerKVCache, table: torch.Tensor, slot: int, qlo: i
     bs = lay.block_size
     nq = qlo // bs
     blocks = table[:nq]
-    k = dequantize_k(cache.k[blocks], cache.k_scale[blocks], lay.quant).reshape(-1, *lay.block_shape[1:])
-    v = dequantize_v(cache.v[blocks], cache.v_scale[blocks], lay.quant).reshape(-1, *lay.block_shape[1:])
+    k = lay.format.dequantize_k(cache.k[blocks], cache.k_scale[blocks]).reshape(-1, *lay.block_shape[1:])
+    v = lay.format.dequantize_v(cache.v[blocks], cache.v_scale[blocks]).reshape(-1, *lay.block_shape[1:])
     rk, rv = [k], [v]
     for j in range(nq, -(-seq_len // bs)):
         r = ring_block(cache, slot, j)

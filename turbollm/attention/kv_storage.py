@@ -5,11 +5,10 @@ in slot `block_table[t // block_size] * block_size + t % block_size` of its laye
 `KVLayout` is what a kernel needs to read a block in place (element type, block size, heads, head
 dim, and for a quantized format its recent window).
 
-Quantized formats (`kv_cache_dtype` int8 / int4, `attention/kv_quant.py`): a block holds its tokens
-as integers — int8 symmetric, or int4 asymmetric packed two to a byte along head_dim — with K
-scaled per channel over the block's tokens (KIVI: K has outlier channels) and V per token, scales
-(and int4's minima) in float16: `k_scale` [N, Hk, D] (int4: [N, 2, Hk, D], scale then minimum),
-`v_scale` [N, bs, Hk] (int4: [N, bs, Hk, 2]). A block is quantized once it is complete and older
+Each storage dtype is a registered format (`attention/kv_formats.py`: float32, float16, int8, int4) that
+says what a block holds and its bytes. Quantized formats (`kv_cache_dtype` int8 / int4; the reference of
+the store and the read is `attention/kv_quant.py`): a block holds its tokens as integers with float16
+scales, K per channel over the block's tokens and V per token. A block is quantized once it is complete and older
 than the sequence's last `recent_window` tokens; until then its tokens live in float16 in the
 sequence's ring of recent blocks (`k_recent`, `v_recent`: `ring_blocks` blocks per ring slot). The rings
 are drawn from the pool itself: `k_recent` is a float16 view of the pool's K storage, so ring slot s is
@@ -23,13 +22,16 @@ attention reads its older part quantized.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-# storage element type of each quantized format (kv_cache_dtype name -> torch dtype)
-QUANT_FORMATS = {torch.int8: "int8", torch.uint8: "int4"}
+from turbollm.attention.kv_formats import KVFormat, kv_format
+
+# storage element type of each quantized format -> its kv_cache_dtype name
+QUANT_FORMATS = {f.dtype: f.name for f in (kv_format(torch.int8), kv_format(torch.uint8))}
 
 
 @dataclass(frozen=True)
@@ -40,15 +42,20 @@ class KVLayout:
     head_dim: int
     recent_window: int = 0  # quantized formats: the newest tokens kept in float16
 
+    @functools.cached_property
+    def format(self) -> KVFormat:
+        """The registered storage format of `dtype` (attention/kv_formats.py)."""
+        return kv_format(self.dtype)
+
     @property
     def quant(self) -> str | None:
-        """"int8" / "int4" for a quantized format, None for float32 / float16."""
-        return QUANT_FORMATS.get(self.dtype)
+        """The format's name for a quantized format ("int8" / "int4"), None for float32 / float16."""
+        return self.format.name if self.format.quantized else None
 
     @property
     def quant_bits(self) -> int:
         """Bits per stored value of a quantized format (8 or 4); 0 for float32 / float16."""
-        return {"int8": 8, "int4": 4}.get(self.quant, 0)
+        return self.format.bits
 
     @property
     def itemsize(self) -> int:
@@ -61,12 +68,7 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """K and V of one block in one layer, scales included (a ring slot is `ring_pool_blocks` of them)."""
-        bs, H, D = self.block_shape
-        if self.quant == "int8":  # int8 values; K: a float16 scale per channel, V: one per token
-            return 2 * bs * H * D + 2 * H * D + 2 * bs * H
-        if self.quant == "int4":  # two values a byte; K: scale and minimum per channel, V: per token
-            return bs * H * D + 4 * H * D + 4 * bs * H
-        return 2 * bs * H * D * self.itemsize
+        return self.format.block_bytes(*self.block_shape)
 
     @property
     def bytes_per_token(self) -> float:
@@ -75,7 +77,7 @@ class KVLayout:
 
     @property
     def ring_blocks(self) -> int:
-        """Recent blocks per sequence slot: the window, the block being filled, one so that a step's
+        """Float16 blocks of a ring slot: the window, the block being filled, one so that a step's
         newest tokens never overwrite what is still to be quantized, and one for up to a block of
         speculative drafts (a verification row reads the ring from its own position's bound)."""
         return -(-self.recent_window // self.block_size) + 3 if self.quant else 0
@@ -83,7 +85,7 @@ class KVLayout:
     @property
     def ring_factor(self) -> int:
         """Quantized pool blocks whose K (or V) storage holds one float16 ring block (int8: 2, int4: 4)."""
-        return 16 // self.quant_bits if self.quant else 0
+        return self.format.ring_factor if self.format.quantized else 0
 
     @property
     def ring_pool_blocks(self) -> int:
@@ -110,18 +112,13 @@ class LayerKVCache:
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_blocks: int) -> "LayerKVCache":
-        shape = (num_blocks, *layout.block_shape)
-        if layout.quant is None:
-            return cls(_lazy_zeros(shape, layout.dtype), _lazy_zeros(shape, layout.dtype), layout)
-        bs, H, D = layout.block_shape
-        if layout.quant == "int4" and D % 2:
-            raise ValueError(f"int4 K/V packs two values a byte: head_dim {D} must be even")
-        packed = (num_blocks, bs, H, D // 2) if layout.quant == "int4" else shape
-        ks = (num_blocks, 2, H, D) if layout.quant == "int4" else (num_blocks, H, D)
-        vs = (num_blocks, bs, H, 2) if layout.quant == "int4" else (num_blocks, bs, H)
-        k, v = _lazy_zeros(packed, layout.dtype), _lazy_zeros(packed, layout.dtype)
-        return cls(k, v, layout, _lazy_zeros(ks, torch.float16), _lazy_zeros(vs, torch.float16),
-                   _ring_view(k, layout, num_blocks), _ring_view(v, layout, num_blocks))
+        """Zeroed storage of `num_blocks` blocks, each tensor as the layout's format describes it; a quantized
+        format's rings are a float16 view of its K and V blocks."""
+        t = {name: _lazy_zeros(shape, dtype)
+             for name, (shape, dtype) in layout.format.storage_shapes(num_blocks, *layout.block_shape).items()}
+        if layout.format.quantized:
+            t["k_recent"], t["v_recent"] = _ring_view(t["k"], layout, num_blocks), _ring_view(t["v"], layout, num_blocks)
+        return cls(layout=layout, **t)
 
     @classmethod
     def of(cls, k: torch.Tensor, v: torch.Tensor) -> "LayerKVCache":

@@ -8,7 +8,7 @@ step. A sliding-window group releases the blocks its window has moved past (thei
 become `NULL_BLOCK`); a full-attention group keeps every block until the sequence ends.
 
 Full blocks are indexed in each group's prefix cache by a digest chained over every token before
-them (`kv_cache.hash_block`), rooted in the model's salt and keyed per group with the group's
+them (`block_pool.hash_block`), rooted in the model's salt and keyed per group with the group's
 spec (KV dtype, layout, window), so a new sequence can start from the longest prefix that every
 group still holds (always leaving one token to compute) — a sliding-window group only the blocks
 its window still sees from there, its older entries `NULL_BLOCK`. A block shared with another
@@ -26,7 +26,7 @@ import copy
 import hashlib
 
 from turbollm.core.block_pool import NULL_BLOCK, BlockPool, CacheStats, hash_block
-from turbollm.core.kv_eviction import SCORERS, EvictionSpec, choose_evictions
+from turbollm.core.kv_eviction import EvictionSpec, Evictor
 from turbollm.core.sequence import Sequence
 from turbollm.handoff.kv_cache_spec import KVCacheConfig, KVCacheSpec
 
@@ -51,8 +51,9 @@ class KVCacheManager:
         self.spare_rings: dict[int, list[int]] = {}  # seq_id -> ring slots held for the siblings it will fork
         self.holding: set[int] = set()  # sequences with blocks
         self.peak_bytes = 0  # the most K/V bytes in use at once since start (`note_usage`)
-        # attention-score eviction: the policy's spec (its groups all evict alike; None: no eviction)
-        self.eviction = next((s for s in self.specs if isinstance(s, EvictionSpec)), None)
+        # attention-score eviction: the policy's evictor (its groups all evict alike; None: no eviction)
+        spec = next((s for s in self.specs if isinstance(s, EvictionSpec)), None)
+        self.evictor = Evictor(spec) if spec is not None else None
         self.num_evicted_blocks = 0  # blocks evicted since start (every group's count once)
         self.stats = CacheStats()
         for p in pools:
@@ -244,27 +245,23 @@ class KVCacheManager:
     # ---------------------------------------------------------------- attention-score eviction
     def observe_scores(self, seq: Sequence, rows: int, mass: list[float]) -> None:
         """A step's attention mass per table entry of `seq` (`rows` query rows counted), for its scorer."""
-        if self.eviction is not None:
-            seq.kv_score_state = SCORERS[self.eviction.score].observe(seq.kv_score_state, mass, rows)
+        if self.evictor is not None:
+            self.evictor.observe(seq, rows, mass)
 
     def evict(self, seq: Sequence) -> list[int]:
-        """Release the lowest-scored blocks of `seq` beyond its budget (never its newest `recent` tokens);
+        """Release the blocks of `seq` its evictor chooses (beyond its budget, never its newest `recent` tokens);
         returns the table positions removed, descending (the workers delete them in this order)."""
-        spec = self.eviction
-        if spec is None or not seq.block_tables:
+        if self.evictor is None or not seq.block_tables:
             return []
-        tables, bs = self.tables(seq), self.block_size
-        scorer = SCORERS[spec.score]
-        protected_from = max(0, (seq.num_computed_tokens - spec.recent) // bs - seq.evicted_blocks)
-        gone = choose_evictions(scorer.scores(seq.kv_score_state, len(tables[0])), len(tables[0]), protected_from,
-                                spec.budget_blocks)
+        tables = self.tables(seq)
+        gone = self.evictor.choose(seq, len(tables[0]), self.block_size)
         if not gone:
             return []
         for pool, table in zip(self.pools, tables):
             for i in gone:  # descending: each deletion leaves the positions still to delete in place
                 pool.release([table[i]])
                 del table[i]
-        scorer.remove(seq.kv_score_state, gone)
+        self.evictor.removed(seq, gone)
         seq.evicted_blocks += len(gone)
         seq.num_blocks_sent -= sum(1 for i in gone if i < seq.num_blocks_sent)
         self.num_evicted_blocks += len(gone)

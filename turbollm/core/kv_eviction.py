@@ -166,3 +166,27 @@ def choose_evictions(scores: list[float], num_blocks: int, protected_from: int, 
     candidates = sorted(range(min(protected_from, num_blocks)),
                         key=lambda i: (-math.inf if math.isnan(scores[i]) else scores[i], i))
     return sorted(candidates[:excess], reverse=True)
+
+
+class Evictor:
+    """The scheduler side of attention-score eviction, one object: it folds the workers' attention mass into
+    each sequence's scorer state (`observe`) and picks the table positions to remove when the sequence holds
+    more than its budget (`choose`); `KVCacheManager.evict` releases them. The worker side is
+    worker/kv_scores.py."""
+
+    def __init__(self, spec: EvictionSpec):
+        self.spec, self.scorer = spec, SCORERS[spec.score]
+
+    def observe(self, seq, rows: int, mass: list[float]) -> None:
+        """A step's attention mass per table entry of `seq` (`rows` query rows counted)."""
+        seq.kv_score_state = self.scorer.observe(seq.kv_score_state, mass, rows)
+
+    def choose(self, seq, num_entries: int, block_size: int) -> list[int]:
+        """Table positions of `seq` to remove (descending), never its newest `recent` tokens' blocks."""
+        protected_from = max(0, (seq.num_computed_tokens - self.spec.recent) // block_size - seq.evicted_blocks)
+        return choose_evictions(self.scorer.scores(seq.kv_score_state, num_entries), num_entries, protected_from,
+                                self.spec.budget_blocks)
+
+    def removed(self, seq, positions: list[int]) -> None:
+        """Positions of `seq`'s table were removed: its scorer state drops them."""
+        self.scorer.remove(seq.kv_score_state, positions)

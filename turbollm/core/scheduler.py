@@ -45,11 +45,12 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from turbollm.core.forking import Forking
 from turbollm.core.kv_cache_manager import KVCacheManager
 from turbollm.core.scheduler_spec import SpeculationPlanning
 from turbollm.core.sequence import Sequence, SequenceStatus
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
-from turbollm.handoff.scheduler_output import CachedRequestData, ForkData, NewRequestData, SchedulerOutput
+from turbollm.handoff.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from turbollm.kernels.limits import ROW_INVARIANT_ROWS
 
 
@@ -95,6 +96,7 @@ class Scheduler(SpeculationPlanning):
                  max_model_len: int | None = None, num_spec_tokens: int = 0, drafts_write_kv: bool = False):
         self.kv, self.block_size = kv, kv.block_size
         self._init_speculation(num_spec_tokens, drafts_write_kv)
+        self.forking = Forking(kv, self.next_seq_id)  # n > 1 siblings
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -132,7 +134,7 @@ class Scheduler(SpeculationPlanning):
     @property
     def num_seq_slots(self) -> int:
         """Sequence slots taken: every running sequence plus the siblings its prompt will fork."""
-        return sum(1 + s.pending_forks for s in self.running)
+        return sum(self.forking.slots(s) for s in self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -233,7 +235,7 @@ class Scheduler(SpeculationPlanning):
         """Admit waiting sequences, oldest first, while the step's budget, the sequence cap and free blocks allow
         (each first takes what the prefix cache holds of it)."""
         while self.waiting and not step.full \
-                and self.num_seq_slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
+                and self.num_seq_slots + self.forking.slots(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             self.kv.take_cached_prefix(seq)
             self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
@@ -284,9 +286,9 @@ class Scheduler(SpeculationPlanning):
             seq.pending_evictions = []
         seq.num_blocks_sent = len(tables[0])
         out.scheduled_token_ids[seq.seq_id] = seq.token_slice(c, c + n)
-        if c + n == seq.num_tokens and seq.pending_forks:
-            out.forks[seq.seq_id] = [ForkData(self.next_seq_id(), i, self.kv.fork_ring(seq, i - 1))
-                                     for i in range(1, seq.pending_forks + 1)]
+        forks = self.forking.plan(seq, n)
+        if forks:
+            out.forks[seq.seq_id] = forks
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take out a sequence that cannot fit in the whole pool; the engine ends it with an error."""
@@ -337,7 +339,8 @@ class Scheduler(SpeculationPlanning):
                 self._finished_ids.extend(f.seq_id for f in forks)
                 continue
             for f in forks:
-                child = self._fork(parent, f)
+                child = self.forking.complete(parent, f)
+                self.add_running(child)
                 updates[child.seq_id] = SeqUpdate(child, forked=True)
         for sid, error in out.errors.items():  # after the forks: a sibling's own sample can fail too
             if sid in self.seqs:
@@ -368,16 +371,6 @@ class Scheduler(SpeculationPlanning):
                     seq.pending_evictions.extend(self.kv.evict(seq))
         result.updates = list(updates.values())
         return result
-
-    def _fork(self, parent: Sequence, fork: ForkData) -> Sequence:
-        """A sibling of `parent` (n > 1) sharing its computed blocks; the workers created it too."""
-        child = Sequence(fork.seq_id, parent.request_id, fork.index, list(parent.prompt_token_ids), parent.params,
-                         num_computed_tokens=parent.num_computed_tokens, end_token_ids=parent.end_token_ids)
-        self.kv.share(parent, child, fork.ring_slot)
-        child.known_to_workers, child.num_blocks_sent = True, len(child.block_tables[0])
-        self.add_running(child)
-        parent.pending_forks = 0
-        return child
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Set the finish reason when `token` ends `seq`: an end token (after min_tokens), max_tokens, the context."""

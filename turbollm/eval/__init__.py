@@ -1,1 +1,1 @@
-"""Evaluation: parity against the reference implementation (and, later, perplexity)."""
+"""Evaluation: parity against the reference implementation, perplexity, and the benchmarks' quality checks."""

@@ -32,7 +32,8 @@ class PromptLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    # seq_id -> the tokens sampled for it this step (one; later, accepted draft tokens too). A forked
+    # seq_id -> the tokens sampled for it this step (one, or a verified step's accepted drafts and the target's
+    # token after them). A forked
     # sibling appears under its own seq_id the step it is created.
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)

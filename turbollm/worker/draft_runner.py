@@ -39,12 +39,12 @@ class DraftRunner:
         from turbollm.spec_decode.draft_model import trimmed_head
         from turbollm.worker.kv_allocation import allocate_kv_storage
 
-        with single_rank():
+        with single_rank():  # every layer built whole, the trimmed head too (layers read the state when built)
             loaded = load_model(config.model, quantization=config.quantization)
-        if config.draft_vocab_size is not None and config.draft_vocab_size < loaded.config.vocab_size:
-            loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
-        set_qmatmul(loaded.model, model.qmatmul)
-        set_kernel_form(loaded.model, resolve_form(model.kernel_form))
+            if config.draft_vocab_size is not None and config.draft_vocab_size < loaded.config.vocab_size:
+                loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
+            set_qmatmul(loaded.model, model.qmatmul)
+            set_kernel_form(loaded.model, resolve_form(model.kernel_form))
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), block_size,

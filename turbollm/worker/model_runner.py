@@ -21,15 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from turbollm.attention import AttentionBackend, AttentionMetadata
-from turbollm.attention.key_mass import KeyMass
 from turbollm.attention.kv_storage import LayerKVCache
-from turbollm.distributed import get_tp
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
 from turbollm.handoff.scheduler_output import ForkData, NewRequestData, SchedulerOutput
 from turbollm.models.common import CausalLM
 from turbollm.models.forward_batch import ForwardBatch, LayerHooks
 from turbollm.worker.fused_step import FusedDecodeStep
 from turbollm.worker.kv_rings import RecentRings
+from turbollm.worker.kv_scores import AttentionScores
 from turbollm.worker import rejection
 from turbollm.worker.sampler import Sampler, SamplingRow, ranked_logprobs
 
@@ -83,7 +82,8 @@ class ModelRunner:
         # per group, the (window, sinks) its KV policy sets (KVCacheConfig.group_attention)
         self.group_attention = group_attention or [(None, 0)] * self.num_groups
         self.hooks = hooks
-        self.score_rows = score_rows  # an eviction policy: each sequence's last rows whose attention is scored
+        # an eviction policy: each sequence's last rows' attention mass per table entry (worker/kv_scores.py)
+        self.scores = AttentionScores(score_rows) if score_rows else None
         # decode steps and steps of a few tokens may run their layers in one C++ call (None: always the modules)
         self.fused = FusedDecodeStep(model, kv_caches, self.layer_groups, hooks, layers) if fused_decode else None
         self.sampler = Sampler(seed)
@@ -110,10 +110,8 @@ class ModelRunner:
                 self.rings.take(st, new.ring_slot)
         for c in sched.cached_reqs:
             st = self.states[c.seq_id]
-            for pos in c.evicted_positions:  # before the new blocks: positions in the table as it was
-                for ids in st.block_ids:
-                    del ids[pos]
-            st.evicted_blocks += len(c.evicted_positions)
+            if c.evicted_positions:  # before the new blocks: positions in the table as it was
+                AttentionScores.remove(st, c.evicted_positions)
             for group, (ids, added) in enumerate(zip(st.block_ids, c.new_block_ids)):
                 if c.resumed_from_preemption:
                     ids.clear()
@@ -163,7 +161,8 @@ class ModelRunner:
                 table = st.block_ids[g]
                 slots[g].extend(table[p // bs - e] * bs + p % bs for p in range(c, c + n))
                 tables[g].append(table)
-            scored.append(qsl[-1] + max(0, n - self.score_rows))
+            if self.scores is not None:
+                scored.append(self.scores.first_scored_row(qsl[-1], n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n - e * bs)
         metas = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.int64), qsl, seq_lens, _table_tensor(tables[g]),
@@ -172,8 +171,8 @@ class ModelRunner:
             step = [self.states[sid] for sid, _ in items]
             for meta, recent in zip(metas, self.rings.meta(step, [len(t) for _, t in items])):
                 meta.recent = recent
-        if self.score_rows:
-            mass = KeyMass(scored, torch.zeros(len(seq_lens), max(len(t) for t in tables[0])))
+        if self.scores is not None:
+            mass = self.scores.key_mass(scored, len(seq_lens), max(len(t) for t in tables[0]))
             for meta in metas:
                 meta.key_mass = mass
         return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), metas[0],
@@ -217,7 +216,7 @@ class ModelRunner:
             hidden = self.run_model(batch)
             qsl = batch.attn.query_start_loc
             if batch.attn.key_mass is not None:
-                self._kv_scores(sched, batch.attn.key_mass, qsl, out)
+                self.scores.collect(sched, batch.attn.key_mass, qsl, self.states, out)
         rows = self._advance(sched, hidden, qsl)
         if hidden is not None and (rows.plain or rows.verify):
             self._sample(hidden, rows, out)
@@ -227,15 +226,6 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - that request fails, the step goes on
                 out.errors[sid] = f"prompt logprobs: {type(e).__name__}: {e}"
         return out
-
-    def _kv_scores(self, sched: SchedulerOutput, km: KeyMass, qsl, out: ModelRunnerOutput) -> None:
-        """Each sequence's attention mass per table entry this step, for its eviction policy."""
-        if get_tp().tp_size > 1:  # each rank scored its own heads: the sum is every head's
-            from turbollm.distributed.tensor_parallel import all_reduce
-
-            all_reduce(km.out)
-        for i, sid in enumerate(sched.scheduled_token_ids):
-            out.kv_scores[sid] = (qsl[i + 1] - km.first_rows[i], km.out[i, :len(self.states[sid].block_ids[0])].tolist())
 
     def _advance(self, sched: SchedulerOutput, hidden: torch.Tensor | None, qsl) -> "_StepRows":
         """Advance each sequence's computed count and pick the rows to sample: the last row of a sequence now up

@@ -5,8 +5,7 @@ one already loaded, in the engine's process), allocates the paged K/V storage th
 `KVCacheConfig` describes (each layer's `LayerKVCache`, by its group's spec), and runs steps:
 `SchedulerOutput` in, `ModelRunnerOutput` out. With speculative decoding the worker that gives the
 step's output also drafts (`Drafter`, worker/drafter.py: the proposer, and a draft model's own runner
-with the K/V `draft_kv_config` describes) after each step. It is what a tensor- or pipeline-parallel
-rank and a remote KV producer will each be.
+with the K/V `draft_kv_config` describes) after each step. Each tensor- or pipeline-parallel rank is one.
 """
 
 from __future__ import annotations
