@@ -61,6 +61,7 @@ class FusedDecodeStep:
         self.built_version = -1  # the model's weights_version it was built from
         self.rope_len = 0
         self.rope_tables: list = []  # each layer's cos table the step holds (RoPE growth replaces them)
+        self.rotaries: list = []  # each layer's rotary embedding, whose table a step compares with it
         self.quantized = False
         self.any_rows = False
         self.steps = 0  # steps run fused
@@ -78,9 +79,8 @@ class FusedDecodeStep:
             return None
         if self.unavailable is not None:
             return None
-        layers = self._layers()
         if self.step is not None and (self.built_version != self.model.weights_version or any(
-                layer.self_attn.rotary.cos is not cos for layer, cos in zip(layers, self.rope_tables))):
+                rotary.cos is not cos for rotary, cos in zip(self.rotaries, self.rope_tables))):
             self.step = None  # new weights, or the module path grew the RoPE tables, since it was built
         if self.step is None:
             self._build()
@@ -111,8 +111,7 @@ class FusedDecodeStep:
                                    None if km is None else km.out)
             self.key_mass = km is not None
         self.steps += 1
-        n = len(layers)
-        end = n if end is None else end
+        end = len(self.rotaries) if end is None else end
         recent = []
         if metas[0].recent is not None:  # a quantized format: per group its step's ring slots and bounds
             for m in metas:
@@ -167,7 +166,8 @@ class FusedDecodeStep:
         self.step, self.built_version = step, self.model.weights_version
         self._set_hooks()
         self.rope_len = min(layer.self_attn.rotary._cache_len for layer in layers)
-        self.rope_tables = [layer.self_attn.rotary.cos for layer in layers]
+        self.rotaries = [layer.self_attn.rotary for layer in layers]  # (looked up once: each step checks them)
+        self.rope_tables = [rotary.cos for rotary in self.rotaries]
         qtypes = [q for spec in specs for name in ("qkv", "o", "gate_up", "down") for q in spec[name]["qtypes"]]
         self.quantized = any(q != DENSE_PART for q in qtypes)
         # every quantized weight repacked (the avx512_vnni form): one numerics, and the fused step, for any rows
