@@ -7,8 +7,8 @@ side (worker/drafter.py) after each step, on the tokens it sampled; the schedule
 - verifies what came back: the drafts a sequence got (`Sequence.spec_token_ids`) go into its next step,
   cut to what the step may verify (`_draft_limit`: max_tokens, the context, the token budget and
   `ROW_INVARIANT_ROWS`);
-- plans: the adaptive planner's drafts per sequence (`_plan`) and its cost model, fed by the steps' times
-  (`observe_step`) and the workers' proposing times (`observe_proposals`).
+- plans: the adaptive planner's drafts per sequence (`_plan`) and its cost model, fed by the steps' times and
+  the workers' proposing times (`observe_step`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from turbollm.core.sequence import Sequence
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
-from turbollm.spec_decode.adaptive import AdaptivePlanner
 from turbollm.kernels.limits import ROW_INVARIANT_ROWS
+from turbollm.spec_decode.adaptive import AdaptivePlanner
 
 
 class SpeculationPlanning:

@@ -47,3 +47,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     propose_seconds: float = 0.0
     seconds_per_draft: float | None = None
+    # the seconds the worker spent on this step (`Worker.execute_model`, drafting included): against the
+    # engine's wait for it, what crossing the process boundary cost (scripts/mp_overhead.py)
+    worker_seconds: float = 0.0

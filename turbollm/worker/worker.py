@@ -11,6 +11,7 @@ with the K/V `draft_kv_config` describes) after each step. Each tensor- or pipel
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -95,9 +96,11 @@ class Worker:
             self.runner.pipeline.queued(sched)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if self.drafter is None:
-            return self.runner.execute_model(sched)
-        self.drafter.before_step(sched, self.runner.states)
+        t0 = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.before_step(sched, self.runner.states)
         out = self.runner.execute_model(sched)
-        self.drafter.after_step(sched, out, self.runner.states)
+        if self.drafter is not None:
+            self.drafter.after_step(sched, out, self.runner.states)
+        out.worker_seconds = time.perf_counter() - t0
         return out
