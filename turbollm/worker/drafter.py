@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from turbollm.engine_config import ModelArgs
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
 from turbollm.handoff.runner_output import ModelRunnerOutput
@@ -23,12 +25,15 @@ from turbollm.spec_decode.proposers import Proposer, ProposerContext, make_propo
 
 
 class Drafter:
-    def __init__(self, proposer: Proposer):
+    def __init__(self, proposer: Proposer, threads: int | None = None):
         self.proposer = proposer
+        # a rank of a parallel engine drafts while the other ranks wait for the next step: the draft may use the
+        # cores of this host's ranks (None: the process's own threads)
+        self.threads = threads
 
     @classmethod
     def build(cls, config: SpeculativeConfig, model: ModelArgs, states: dict, block_size: int,
-              draft_kv_config: KVCacheConfig | None) -> "Drafter":
+              draft_kv_config: KVCacheConfig | None, threads: int | None = None) -> "Drafter":
         """The proposer `config` names, for a runner whose per-sequence states are `states` (seq_id ->
         `SeqState`); `model`: the target's (a draft model computes as it does); `draft_kv_config`: a draft
         model's K/V, sized by the engine (the target pool's blocks)."""
@@ -38,7 +43,8 @@ class Drafter:
             return DraftRunner.load(cfg, model, draft_kv_config, block_size)
 
         return cls(make_proposer(config, ProposerContext(
-            block_size, block_table=lambda seq_id: states[seq_id].block_ids[0], make_draft_runner=load_draft)))
+            block_size, block_table=lambda seq_id: states[seq_id].block_ids[0], make_draft_runner=load_draft)),
+            threads)
 
     def before_step(self, sched: SchedulerOutput, states: dict) -> None:
         """What ended since the last step: finished sequences (their generated tokens, for a proposer that
@@ -53,11 +59,18 @@ class Drafter:
     def after_step(self, sched: SchedulerOutput, out: ModelRunnerOutput, states: dict) -> None:
         """Drafts for each sequence given room that sampled this step, into `out`."""
         t0 = time.perf_counter()
-        for sid, room in sched.draft_room.items():
-            if sid in out.errors or sid not in out.sampled:
-                continue
-            drafts = self.proposer.propose(sid, states[sid].token_ids, room)
-            if drafts:
-                out.draft_token_ids[sid] = drafts[:room]
+        own = torch.get_num_threads()
+        if self.threads and self.threads != own:
+            torch.set_num_threads(self.threads)
+        try:
+            for sid, room in sched.draft_room.items():
+                if sid in out.errors or sid not in out.sampled:
+                    continue
+                drafts = self.proposer.propose(sid, states[sid].token_ids, room)
+                if drafts:
+                    out.draft_token_ids[sid] = drafts[:room]
+        finally:
+            if torch.get_num_threads() != own:
+                torch.set_num_threads(own)
         out.propose_seconds = time.perf_counter() - t0
         out.seconds_per_draft = self.proposer.seconds_per_draft

@@ -71,7 +71,9 @@ class Worker:
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
         if config.speculative is not None and rank == world - tp:
-            self.drafter = Drafter.build(config.speculative, model, self.runner.states, block_size, draft_kv_config)
+            # (with several ranks on this host the others wait while this one drafts: it takes their cores too)
+            self.drafter = Drafter.build(config.speculative, model, self.runner.states, block_size, draft_kv_config,
+                                         threads if world > 1 else None)
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""
