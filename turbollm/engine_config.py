@@ -116,6 +116,11 @@ class ParallelArgs:
         """Worker processes: tensor_parallel_size × pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose output a step returns: the first of the last pipeline stage (it also drafts)."""
+        return self.world_size - self.tensor_parallel_size
+
     def check(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from turbollm.attention.kv_formats import KVFormat, kv_format
+from turbollm.attention.kv_formats import KV_FORMATS, KVFormat, kv_format
 
 # storage element type of each quantized format -> its kv_cache_dtype name
-QUANT_FORMATS = {f.dtype: f.name for f in (kv_format(torch.int8), kv_format(torch.uint8))}
+QUANT_FORMATS = {f.dtype: f.name for f in KV_FORMATS.values() if f.quantized}
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,6 @@ class KVLayout:
     def quant_bits(self) -> int:
         """Bits per stored value of a quantized format (8 or 4); 0 for float32 / float16."""
         return self.format.bits
-
-    @property
-    def itemsize(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
 
     @property
     def block_shape(self) -> tuple[int, int, int]:

@@ -28,7 +28,7 @@ class Forking:
 
     def plan(self, seq: Sequence, num_new: int) -> list[ForkData]:
         """The siblings to fork off `seq` when its `num_new` tokens this step complete its prompt (else none)."""
-        if seq.num_computed_tokens + num_new != seq.num_tokens or not seq.pending_forks:
+        if not seq.pending_forks or seq.num_computed_tokens + num_new != seq.num_tokens:
             return []
         return [ForkData(self.next_seq_id(), i, self.kv.fork_ring(seq, i - 1)) for i in range(1, seq.pending_forks + 1)]
 

@@ -325,7 +325,8 @@ class Scheduler(SpeculationPlanning):
         for sid, tokens in sched.scheduled_token_ids.items():
             seq = self.seqs.get(sid)
             if seq is not None:
-                seq.spec_token_ids = out.draft_token_ids.get(sid, [])
+                if self.speculates:
+                    seq.spec_token_ids = out.draft_token_ids.get(sid, [])
                 if sid not in sched.spec_token_ids:
                     seq.num_computed_tokens += len(tokens)
                     self.kv.cache_computed_blocks(seq)

@@ -51,16 +51,10 @@ class SpeculationPlanning:
 
     def _room(self, seq: Sequence, plan: dict[int, int] | None) -> int:
         """Drafts the workers may propose for `seq` after a step in which it samples: K, or the planner's
-        number, never past what its next step could verify (it holds at least one token more by then)."""
-        if seq.pending_forks:  # its siblings fork off this step's sample: they draft from their next step
-            return 0
-        k = self.num_spec_tokens if plan is None else min(self.num_spec_tokens, plan.get(seq.seq_id,
-                                                                                       self.num_spec_tokens))
-        if seq.params.max_tokens is not None:
-            k = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 2)
-        if self.max_model_len is not None:
-            k = min(k, self.max_model_len - seq.num_tokens - 2)
-        return max(k, 0)
+        number, never past what its next step could verify (it holds at least one token more by then; its
+        siblings-to-be, if any, draft from their own next step)."""
+        k = self.num_spec_tokens if plan is None else plan.get(seq.seq_id, self.num_spec_tokens)
+        return self._draft_limit(seq, k, ahead=1)
 
     def _reserve_room(self, seq: Sequence, n: int, num_drafts: int, plan: dict[int, int] | None,
                       out: SchedulerOutput) -> None:
@@ -78,19 +72,20 @@ class SpeculationPlanning:
         if room:
             out.draft_room[seq.seq_id] = room
 
-    def _draft_limit(self, seq: Sequence, room: int) -> int:
+    def _draft_limit(self, seq: Sequence, room: int, ahead: int = 0) -> int:
         """How many draft tokens a decode of `seq` may verify this step: any sampling settings speculate
         (the workers verify each row with its own history, worker/rejection.py), but not a prompt that still
         has n > 1 siblings to fork, and never past max_tokens, the context, the step's token budget or, with
-        the tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit)."""
+        the tokens scheduled before them, `ROW_INVARIANT_ROWS` (`room` says how many fit). `ahead`: tokens
+        `seq` will have gained by the step in question (1: the step after this one)."""
         p = seq.params
         if seq.pending_forks:
             return 0
         k = min(self.num_spec_tokens, room)
         if p.max_tokens is not None:
-            k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
+            k = min(k, p.max_tokens - len(seq.output_token_ids) - 1 - ahead)
         if self.max_model_len is not None:
-            k = min(k, self.max_model_len - seq.num_tokens - 1)
+            k = min(k, self.max_model_len - seq.num_tokens - 1 - ahead)
         return max(k, 0)
 
     def observe_step(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:

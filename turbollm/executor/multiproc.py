@@ -154,7 +154,7 @@ class MultiprocExecutor(Executor):
         shm = [ShmFiles.create(tp) for _ in range(par.pipeline_parallel_size)] \
             if tp > 1 and par.tp_shared_memory else None
         self._tp = tp
-        self._last_stage = range(n - tp, n)  # the ranks that sample: the step's output is the first one's
+        self._last_stage = range(par.output_rank, n)  # the ranks that sample: the step's output is the first one's
         self._procs, self._conns = [], []
         for rank in range(n):
             conn, child = ctx.Pipe()

@@ -53,7 +53,7 @@ class TorchrunExecutor(Executor):
                            par.pp_steps_in_flight)
         seed = config.model.seed if config.model.seed is not None else random.SystemRandom().getrandbits(62)
         broadcast((self.workers_config, kv_config, seed, draft_kv_config), self._group)
-        self._out_rank = par.world_size - par.tensor_parallel_size
+        self._out_rank = par.output_rank
         self._broken: str | None = None
         self._closed = False
         self._job: _Round | None = None  # the latest round given to the rounds' thread
@@ -271,7 +271,7 @@ def run_worker() -> bool:
         dist.destroy_process_group()
         return False
     gather(("ok", (worker.footprint(), whereabouts())), group)
-    out_rank = config.parallel.world_size - config.parallel.tensor_parallel_size  # the first rank of the last stage
+    out_rank = config.parallel.output_rank
     try:
         step = 0
         while True:

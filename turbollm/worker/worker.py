@@ -70,7 +70,7 @@ class Worker:
                                   microbatches=par.pp_microbatches or par.pipeline_parallel_size)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
-        if config.speculative is not None and rank == world - tp:
+        if config.speculative is not None and rank == par.output_rank:
             # (with several ranks on this host the others wait while this one drafts: it takes their cores too)
             self.drafter = Drafter.build(config.speculative, model, self.runner.states, block_size, draft_kv_config,
                                          threads if world > 1 else None)
