@@ -1,4 +1,4 @@
-"""The float32 decode-row linear (csrc/dense_gemv.cpp, kernels/dense.py) against F.linear."""
+"""The decode-row linear (csrc/dense_gemv.cpp, kernels/dense.py), float32 and bfloat16 weights, against F.linear."""
 
 from __future__ import annotations
 
@@ -46,3 +46,26 @@ def test_many_rows_and_other_dtypes_take_f_linear():
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
     x64, w64 = x.double(), w.double()
     assert torch.equal(kernels.dense_linear(x64, w64, None), F.linear(x64, w64))
+
+
+@pytest.mark.parametrize("k", [576, 72, 7])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])  # our pass (up to dense_max_rows), oneDNN's bf16 beyond
+def test_bfloat16_weights(rows, k):
+    """bfloat16 W: up to 16 rows each weight widened and multiplied by the float32 row (the products exact:
+    F.linear on the widened W, to float32 rounding; each row alone the same bits); beyond, x rounded to
+    bfloat16 and the result too (oneDNN's bf16 matmul): within bfloat16's rounding of the float32 product."""
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    n = 300
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    for bias in (None, b):
+        out = kernels.dense_linear(x, w, bias)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        exact = F.linear(x, w.float(), bias)
+        if rows <= kernels.dense_max_rows:
+            torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            assert torch.equal(out[-1:], kernels.dense_linear(x[-1:], w, bias))  # row invariance
+        else:
+            scale = (x.abs() @ w.float().abs().T).max()  # bfloat16 keeps 8 bits: ~2**-8 of the terms' size
+            assert (out - exact).abs().max() <= 2 ** -7 * scale
+            assert not torch.equal(out, exact)  # (the rounding is there: this is not the float32 product)
+        assert torch.equal(dense_linear(x.unsqueeze(0), w, bias)[0], out)  # the wrapper: the same call

@@ -32,6 +32,7 @@ EXAMPLES: dict[str, dict] = {
     "int8-rtn weights": {"quantization": "int8-rtn"},
     "a worker process": {"distributed_executor_backend": "mp"},
     "no prefix caching": {"enable_prefix_caching": False},
+    "bfloat16 dense weights": {"dtype": "bfloat16"},
 }
 REASONS = [r.reason for r in REFUSALS]
 
@@ -69,7 +70,7 @@ def test_the_table_names_known_techniques_and_every_rule_is_reached():
 
 
 @pytest.mark.parametrize("group,bad,message", [
-    (ModelArgs, dict(model="m", dtype="float16"), "only float32"),
+    (ModelArgs, dict(model="m", dtype="float16"), "dtype 'float16'.*use bfloat16"),
     (ModelArgs, dict(model="m", qmatmul="q9"), "qmatmul 'q9'"),
     (CacheArgs, dict(block_size=24), "power of two"),
     (CacheArgs, dict(kv_recent_window=8), "kv_recent_window applies"),

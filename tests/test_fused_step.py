@@ -57,13 +57,15 @@ def test_tiny_gguf_every_part_kind(tiny_gguf, path, kv):
                               qmatmul=path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_tiny_dense_architectures(tmp_path_factory, arch):
-    """float32 weights (biases inside F.linear for qwen2); gemma3: sandwich norms, QK-norm, MQA, window 16."""
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("gemma3", "float32"),
+                                        ("llama", "bfloat16"), ("qwen2", "bfloat16")])
+def test_tiny_dense_architectures(tmp_path_factory, arch, dtype):
+    """float32 weights (biases inside F.linear for qwen2); gemma3: sandwich norms, QK-norm, MQA, window 16;
+    bfloat16 dense weights (engine argument dtype) through the same products in both paths."""
     folder = build_tiny(arch, tmp_path_factory.mktemp(f"step-{arch}"))
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(4, 384, (n,), generator=g).tolist()} for n in (5, 23, 40)]
-    assert_fused_equals_eager(str(folder), prompts, max_tokens=12)
+    assert_fused_equals_eager(str(folder), prompts, max_tokens=12, dtype=dtype)
 
 
 def test_grown_rope_tables_rebuild_the_step(tmp_path_factory):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from turbollm.engine_config import QMATMUL_PATHS  # noqa: F401 - the CLI reads the names here
+from turbollm.engine_config import DENSE_DTYPES, QMATMUL_PATHS  # noqa: F401 - the CLI reads the names here
 from turbollm.engine_config import (DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, CacheArgs, EngineConfig,
                                     ModelArgs, ParallelArgs, SchedulerArgs)
 from turbollm.errors import InvalidRequestError
@@ -55,6 +55,9 @@ class EngineArgs:
     seed: int | None = None
     attention_backend: str = "cpu"  # "cpu": C++ decode kernel when it builds; "torch": pure PyTorch
     threads: int | None = None  # torch threads; default: torch's own (all cores)
+    # the dense weights' dtype (quantization/dense_dtype.py): "float32" (the exact reference), "bfloat16"
+    # (half the bytes; oneDNN's bf16 products for many rows), "auto" (bfloat16 on a CPU with AVX512_BF16 /
+    # AMX-BF16 for a model with dense linear weights, float32 otherwise)
     dtype: str = "float32"
     # K/V storage: "float16" halves the bytes decode attention reads per token (values rounded to
     # fp16 when stored); "auto": float16 for a GGUF model in its own block types (llama.cpp's

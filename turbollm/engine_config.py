@@ -41,6 +41,11 @@ KV_CACHE_DTYPES: dict[str, str] = {
 QUANTIZED_KV = ("int8", "int4")
 DEFAULT_RECENT_WINDOW = 128  # tokens kept in float16 by a quantized K/V format
 
+# dtype names -> the torch dtype (by name) of the dense weights (quantization/dense_dtype.py); "auto" (None)
+# depends on the CPU and the model
+DENSE_DTYPES: dict[str, str | None] = {"auto": None, "float32": "float32", "float": "float32",
+                                       "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
 # the quantized-matmul paths of turbollm.kernels.quant (by name: this module stays import-light)
 QMATMUL_PATHS = ("auto", "fast", "q8", "q8x2", "q16", "dequant")
 
@@ -60,9 +65,9 @@ class ModelArgs:
 
     def check(self) -> None:
         from turbollm.kernels.forms import check_form
+        from turbollm.quantization.dense_dtype import check_dtype
 
-        if self.dtype not in ("float32", "auto"):
-            raise InvalidRequestError(f"dtype {self.dtype!r}: only float32 is supported on this CPU build")
+        check_dtype(self.dtype)
         check_form(self.kernel_form)
         if self.qmatmul is not None and self.qmatmul not in QMATMUL_PATHS:
             raise InvalidRequestError(f"qmatmul {self.qmatmul!r}: choose one of {', '.join(QMATMUL_PATHS)}")

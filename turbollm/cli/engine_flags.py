@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from turbollm.cli.config_file import add_config_flags
-from turbollm.engine_args import KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
+from turbollm.engine_args import DENSE_DTYPES, KV_CACHE_DTYPES, QMATMUL_PATHS, EngineArgs
 from turbollm.kernels.forms import FORMS
 
 
@@ -35,6 +35,12 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--model", "-m", default=None if model_required else "smollm2-135m", required=model_required,
                    help="catalog name, GGUF file, HF folder or hub id (default: smollm2-135m)")
     p.add_argument("--quantization", default=None, action=QuantizationFlag)
+    p.add_argument("--dtype", **multi("dtype", "float32"), choices=list(DENSE_DTYPES),
+                   help="dense weights (an HF folder, F32/F16 GGUF tensors, dense vocabulary tables): float32 "
+                        "(default; the exact reference), bfloat16 (half the bytes; many-row products through "
+                        "oneDNN's bf16 kernels, AMX where the CPU has it; norms, attention, K/V stay float32) or "
+                        "auto (bfloat16 on a CPU with AVX512_BF16 / AMX-BF16, float32 elsewhere); quantized "
+                        "weights are unaffected")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -109,7 +115,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=ns.model, quantization=ns.quantization, max_model_len=ns.max_model_len,
+        model=ns.model, quantization=ns.quantization, dtype=ns.dtype, max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         block_size=ns.block_size,
         kv_cache_memory=int(ns.kv_cache_memory * (1 << 30)) if ns.kv_cache_memory else None,

@@ -10,9 +10,10 @@ import datetime
 import time
 
 from turbollm.cli.eval_long_cmd import add_chunk_flag, add_streaming_flags, check_recent_window
-from turbollm.engine_args import DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
+from turbollm.engine_args import DEFAULT_RECENT_WINDOW, DENSE_DTYPES, KV_CACHE_DTYPES, QUANTIZED_KV, kv_cache_torch_dtype
 from turbollm.kernels.forms import FORMS, resolve_form
 from turbollm.quantization.base import set_kernel_form
+from turbollm.quantization.dense_dtype import resolve_dtype, set_dtype
 
 SCORE_RULES = ("all", "half")  # turbollm.eval.perplexity.SCORING (not imported here: keeps the CLI start light)
 QMATMUL_MODES = ("auto", "fast", "q8", "q8x2", "q16", "dequant")  # as turbollm.eval.perplexity (kept import-light)
@@ -54,6 +55,9 @@ def add_ppl(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--kernel-form", choices=list(FORMS), default=None,
                    help="the candidate's CPU kernel form (default: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it; "
                         "avx512_vnni repacks its GGML weights and multiplies them with one numerics at every size)")
+    p.add_argument("--dtype", choices=list(DENSE_DTYPES), default="float32",
+                   help="the evaluated model's dense weights: float32 (default), bfloat16 or auto (the engine's "
+                        "--dtype); the reference keeps float32")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), nargs="+", default=None,
                    help="K/V storage of the evaluated model (the reference keeps float32; default auto = float32); "
                         "with --stream, several run in turn")
@@ -119,6 +123,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
         cand = load_model(ns.model, quantization=ns.quantization)
     form = resolve_form(ns.kernel_form)
     set_kernel_form(cand.model, form)
+    dense_dtype = resolve_dtype(ns.dtype, cand.model)
+    set_dtype(cand.model, dense_dtype)
     ids, bos = tokenize_text(cand.tokenizer, text)
     plan = plan_windows(ids, ns.ctx, bos, ns.score, ns.max_tokens)
 
@@ -127,7 +133,8 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
     ref_kv_name = ns.reference_kv_cache_dtype or "float32"
     ref_kv = kv_cache_torch_dtype(ref_kv_name)
     ref, note, ref_model = None, None, ns.reference_model or ns.model
-    same_weights = resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference
+    same_weights = (resolve_model(ref_model).path == cand.resolved.path and cand.quantization == ns.reference
+                    and dense_dtype == torch.float32)
     if ns.no_reference:
         note = "no reference (--no-reference)"
     elif same_weights and kv_dtype == ref_kv:
@@ -150,7 +157,7 @@ def eval_ppl(ns: argparse.Namespace) -> dict:
                    kld_p99=0.0, kld_max=0.0, top1_agreement=100.0, ref_entropy=res["entropy"], entropy_delta=0.0)
     record = {
         "model": ns.model, "model_path": str(cand.resolved.path), "quantization": cand.quantization,
-        "kernel_form": form,
+        "kernel_form": form, "dtype": str(dense_dtype).removeprefix("torch."),
         "weights_storage": cand.weights_storage, "weight_MB": round(cand.weight_bytes / 1e6, 2),
         "reference": None if ns.no_reference else ns.reference,
         "reference_model": None if ns.no_reference else ref_model,

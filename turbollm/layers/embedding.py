@@ -2,7 +2,8 @@
 of its slice of the vocabulary (`vocab_start` ..), looks up the ids that fall in it (zeros for the
 others, summed across ranks by an all-reduce) and computes its slice of the logits (all-gathered).
 
-The table is dense float32 ``[vocab, dim]``, or, when the checkpoint's table is
+The table is dense float32 ``[vocab, dim]`` (bfloat16 with the engine's `dtype` "bfloat16": rows are
+widened to float32 when looked up, the LM head multiplies through `dense_linear`), or, when the checkpoint's table is
 block-quantized and the model keeps GGUF types (the loader then hands a `QuantizedTensor`),
 the raw GGML blocks ``uint8 [vocab, row_bytes]`` tagged with their type (`ggml_qtype` on the
 parameter). Lookups then decode only the rows asked for (`ggml_embedding`), and the LM head
@@ -92,7 +93,8 @@ class VocabEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         qtype = self.qtype
         if qtype is None:
-            return F.embedding(ids, self.weight)
+            rows = F.embedding(ids, self.weight)
+            return rows if rows.dtype == torch.float32 else rows.float()
         return ggml_embedding(self.weight, qtype, self.dim, ids)
 
     def extra_repr(self) -> str:

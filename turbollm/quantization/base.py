@@ -115,7 +115,7 @@ def linear_layers(model: nn.Module) -> Iterator[nn.Module]:
 
 @register_linear_method("none")
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense weight `[out, in]` in the working dtype (fp32 on CPU)."""
+    """A dense weight `[out, in]`: float32, or bfloat16 after `dense_dtype.set_dtype` (engine argument `dtype`)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -124,7 +124,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return dense_linear(x, layer.weight, bias)
 
     def decode_parts(self, layer: nn.Module) -> DecodeParts | None:
-        if layer.weight.dtype != torch.float32:
+        if layer.weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         return DecodeParts(((DENSE_PART, layer.weight),), bias_in_linear=True)
 

@@ -29,13 +29,14 @@ class DraftRunner:
     @classmethod
     def load(cls, config, model, draft_kv, block_size: int) -> "DraftRunner":
         """`config`: the `SpeculativeConfig`; `model`: the target's `ModelArgs` (matmul path, kernel form,
-        attention backend: the draft computes as the target does); `draft_kv`: the draft's `KVCacheConfig`,
+        dense dtype, attention backend: the draft computes as the target does); `draft_kv`: the draft's `KVCacheConfig`,
         sized by the engine (the target's number of blocks)."""
         from turbollm.attention import get_attention_backend
         from turbollm.distributed import single_rank
         from turbollm.kernels.forms import resolve_form
         from turbollm.loader import load_model
         from turbollm.quantization.base import set_kernel_form, set_qmatmul
+        from turbollm.quantization.dense_dtype import resolve_dtype, set_dtype
         from turbollm.spec_decode.draft_model import trimmed_head
         from turbollm.worker.kv_allocation import allocate_kv_storage
 
@@ -45,6 +46,7 @@ class DraftRunner:
                 loaded.model.lm_head = trimmed_head(loaded.model.lm_head, config.draft_vocab_size)
             set_qmatmul(loaded.model, model.qmatmul)
             set_kernel_form(loaded.model, resolve_form(model.kernel_form))
+            set_dtype(loaded.model, resolve_dtype(model.dtype, loaded.model))
         logger.info("draft model %s: %s; its KV cache %d blocks, %.0f MiB", config.model, loaded.weights_storage,
                     draft_kv.num_blocks, draft_kv.total_bytes / (1 << 20))
         runner = ModelRunner(loaded.model, allocate_kv_storage(draft_kv), block_size,

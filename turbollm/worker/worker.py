@@ -23,6 +23,7 @@ from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.kernels.forms import resolve_form
 from turbollm.models.forward_batch import LayerHooks
 from turbollm.quantization.base import set_kernel_form, set_qmatmul
+from turbollm.quantization.dense_dtype import resolve_dtype, set_dtype
 from turbollm.worker.drafter import Drafter
 from turbollm.worker.kv_allocation import allocate_kv_storage
 from turbollm.worker.malloc_tuning import tune_malloc
@@ -61,6 +62,7 @@ class Worker:
         self.loaded = loaded or load_model(model.model, quantization=model.quantization)
         set_qmatmul(self.loaded.model, model.qmatmul)  # this engine's numerics, on its model only
         set_kernel_form(self.loaded.model, resolve_form(model.kernel_form))  # and its kernels' weight layout
+        set_dtype(self.loaded.model, resolve_dtype(model.dtype, self.loaded.model))  # dense weights: fp32 or bf16
         block_size = config.cache.block_size
         self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config, layers), block_size,
                                   get_attention_backend(model.attention_backend), fused_decode=not model.enforce_eager,

@@ -57,8 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_gops", &peak_gops, "G ops/s of one instruction form's register-only multiply-add loop on `threads` "
         "threads (int8_vnni512, int8_avx2, bf16_avx512, fp32_avx512, fp32_avx2, int8_amx; 0: not on this CPU)", nogil);
 
-  m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias): a pass over W for up to 4 rows of x at a time "
-        "(up to 16 rows; more go to at::linear)", pybind11::arg("x"), pybind11::arg("w"),
+  m.def("dense_linear", &dense_linear, "float32 x @ W.T (+ bias), W float32 or bfloat16: a pass over W for up to 4 rows of x at a time "
+        "(up to 16 rows; more go to at::linear, in bfloat16 for a bfloat16 W)", pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("bias") = pybind11::none(), nogil);
   m.attr("dense_max_rows") = kDenseMaxRows;
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)",

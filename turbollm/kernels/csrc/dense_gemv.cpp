@@ -1,4 +1,4 @@
-// float32 x [M, K] @ W [N, K]^T (+ bias) for the few rows of a decode step.
+// float32 x [M, K] @ W [N, K]^T (+ bias) for the few rows of a decode step, W float32 or bfloat16.
 //
 // The sgemm torch ships is tuned for many rows: at M = 1 it reads W at 8-13 GB/s of this
 // machine's ~17 whatever torch's thread count, at M = 2 to 8 at 3.5-8 GB/s (docs/BENCHMARKS.md).
@@ -9,6 +9,12 @@
 // depend on the other rows of the batch. The dense float32 weights (linear method "none", GGUF F32
 // parts, a dense LM head) take this in the module path and in the fused decode step alike, so the
 // two stay bit-identical; its reference is F.linear (tests/test_dense_gemv.py).
+//
+// bfloat16 weights (dtype "bfloat16": weights.dtype.set_dtype) take the same passes, each weight widened
+// to float32 in registers (a shift: bfloat16 is float32's upper half) and multiplied by the float32 row:
+// half the bytes read per row, the products exact. Beyond kDenseMaxRows rows the product goes to at::linear
+// in bfloat16 (oneDNN: AMX or AVX512_BF16 tiles where the CPU has them), x rounded to bfloat16 and the
+// result widened back to float32 (then the bias, float32, added).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,18 +28,26 @@ namespace {
 constexpr int64_t kTile = 4;  // rows of x per pass over a tile of W
 constexpr int64_t kRowTileBytes = 128 << 10;  // bytes of W per tile
 
-template <int T>
-void rows_of_w(const float* w, const float* x, const float* bias, float* out, int64_t K, int64_t N,
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 -> float32: the 16 bits go to the top
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+template <int T, typename W>
+void rows_of_w(const W* w, const float* x, const float* bias, float* out, int64_t K, int64_t N,
                int64_t ldx, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const float* r = w + n * K;
+    const W* r = w + n * K;
     float sum[T];
     int64_t k = 0;
 #ifdef __AVX2__
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-      const __m256 w0 = _mm256_loadu_ps(r + k), w1 = _mm256_loadu_ps(r + k + 8);
+      const __m256 w0 = load8(r + k), w1 = load8(r + k + 8);
       for (int t = 0; t < T; ++t) {
         acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + k), acc[t][0]);
         acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + k + 8), acc[t][1]);
@@ -44,34 +58,26 @@ void rows_of_w(const float* w, const float* x, const float* bias, float* out, in
     for (int t = 0; t < T; ++t) sum[t] = 0.f;
 #endif
     for (; k < K; ++k)
-      for (int t = 0; t < T; ++t) sum[t] += r[k] * x[t * ldx + k];
+      for (int t = 0; t < T; ++t) sum[t] += static_cast<float>(r[k]) * x[t * ldx + k];
     const float b = bias ? bias[n] : 0.f;
     for (int t = 0; t < T; ++t) out[t * N + n] = sum[t] + b;
   }
 }
 
-using RowsFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                        int64_t);
-constexpr RowsFn kRows[kTile] = {rows_of_w<1>, rows_of_w<2>, rows_of_w<3>, rows_of_w<4>};
+template <typename W>
+using RowsFn = void (*)(const W*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template <typename W>
+constexpr RowsFn<W> kRows[kTile] = {rows_of_w<1, W>, rows_of_w<2, W>, rows_of_w<3, W>, rows_of_w<4, W>};
 
-}  // namespace
-
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_linear: x [M, K] and W [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool plain = x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
-                     x.device().is_cpu() && w.is_contiguous() && x.stride(1) == 1 &&
-                     (!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N));
-  if (!plain || M == 0 || M > kDenseMaxRows) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
-  auto out = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+template <typename W>
+void gemv(const torch::Tensor& x, const W* wp, const float* bp, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t ldx = x.stride(0);
   // each task a few hundred KB of W: enough to hide the fork / join, small enough to share out
   const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / K);
   // a tile of W's rows (in L2) meets every group of kTile rows of x before the next tile: W is read
   // from memory once per call whatever M
-  const int64_t rt = std::max<int64_t>(1, kRowTileBytes / (K * (int64_t)sizeof(float)));
+  const int64_t rt = std::max<int64_t>(1, kRowTileBytes / (K * (int64_t)sizeof(W)));
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -79,9 +85,32 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
       const int64_t r1 = std::min(n1, r0 + rt);
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int64_t t = std::min(kTile, M - m0);
-        kRows[t - 1](wp, xp + m0 * ldx, bp, op + m0 * N, K, N, ldx, r0, r1);
+        kRows<W>[t - 1](wp, xp + m0 * ldx, bp, op + m0 * N, K, N, ldx, r0, r1);
       }
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_linear: x [M, K] and W [N, K]");
+  const int64_t M = x.size(0), N = w.size(0);
+  const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  const bool plain = x.scalar_type() == torch::kFloat32 && (bf16 || w.scalar_type() == torch::kFloat32) &&
+                     x.device().is_cpu() && w.is_contiguous() && x.stride(1) == 1 &&
+                     (!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N));
+  if (plain && bf16 && M > kDenseMaxRows) {  // many rows: oneDNN's bfloat16 product, back to float32
+    auto y = at::linear(x.to(torch::kBFloat16), w).to(torch::kFloat32);
+    if (bias) y.add_(*bias);
+    return y;
+  }
+  if (!plain || M == 0 || M > kDenseMaxRows) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
+  auto out = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  if (bf16)
+    gemv<at::BFloat16>(x, w.data_ptr<at::BFloat16>(), bp, out);
+  else
+    gemv<float>(x, w.data_ptr<float>(), bp, out);
   return out;
 }

@@ -1,0 +1,100 @@
+"""The compute dtype of a model's dense weights: float32 (the exact reference) or bfloat16 (`dtype`, vLLM's
+engine argument).
+
+With "bfloat16" every dense weight — the linear layers of linear method "none" (an fp32/fp16/bf16
+safetensors folder, a GGUF of F32/F16 tensors) and a dense vocabulary table (the embedding and a dense LM
+head) — is held in bfloat16: half the bytes of float32, so a decode step, which reads them all, reads half.
+Their products go through `kernels.dense.dense_linear`: up to 16 rows our own pass over W (each bfloat16
+weight widened to float32 in registers and multiplied by the float32 row: a row's result does not depend on
+the rows beside it), beyond that oneDNN's bfloat16 matmul (AMX or AVX512_BF16 tiles where the CPU has them),
+its input rounded to bfloat16 and its output widened back. Everything else — the residual stream, norms,
+RoPE, attention, the K/V, the logits — stays float32. Quantized weights (GGML blocks, int8/int4, GPTQ/AWQ)
+are not touched: "bfloat16" concerns the dense ones only.
+
+"auto" picks bfloat16 where the CPU computes it in hardware (AVX512_BF16 or AMX-BF16 in its flags) and the
+model has dense linear weights, float32 elsewhere (on an AVX2 machine bfloat16 products are emulated: slower
+than float32). The default stays float32, the path the transformers oracle checks bit for bit.
+
+Like the kernel form, the dtype is a property of the loaded weights: `set_dtype` converts a loaded model's
+dense weights in place (after loading, as the kernel form repacks), and bumps its `weights_version`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from turbollm.engine_config import DENSE_DTYPES
+from turbollm.errors import InvalidRequestError
+
+logger = logging.getLogger("turbollm")
+
+#: the dtype names the engine takes -> torch dtype (None: resolved per CPU and model by `resolve_dtype`)
+DTYPES: dict[str, torch.dtype | None] = {k: None if v is None else getattr(torch, v) for k, v in DENSE_DTYPES.items()}
+#: CPU flags (/proc/cpuinfo) with which bfloat16 products run in hardware
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def check_dtype(name: str) -> str:
+    """`name` if the engine takes it; else InvalidRequestError naming the choices (and why not float16)."""
+    if name not in DTYPES:
+        why = (" (float16 compute has no fast path on a CPU: use bfloat16, or float16 K/V with "
+               "--kv-cache-dtype float16)") if name in ("float16", "half", "fp16") else ""
+        raise InvalidRequestError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}{why}")
+    return name
+
+
+def cpu_has_bf16(flags: str | None = None) -> bool:
+    """Whether this CPU (or the flags given) multiplies bfloat16 in hardware."""
+    from turbollm.kernels import cpu_flags
+
+    have = set((flags if flags is not None else cpu_flags()).split())
+    return any(f in have for f in BF16_FLAGS)
+
+
+def dense_linears(model: nn.Module) -> list[nn.Module]:
+    """The linear layers of `model` whose weight is a dense float matrix (linear method "none")."""
+    from turbollm.quantization.base import UnquantizedLinearMethod, linear_layers
+
+    return [m for m in linear_layers(model) if isinstance(m.method, UnquantizedLinearMethod)]
+
+
+def resolve_dtype(name: str, model: nn.Module, flags: str | None = None) -> torch.dtype:
+    """The torch dtype `name` means for `model` on this CPU ("auto": bfloat16 for dense weights on a CPU with
+    bfloat16 instructions, float32 otherwise)."""
+    dtype = DTYPES[check_dtype(name)]
+    if dtype is not None:
+        if dtype == torch.bfloat16 and not cpu_has_bf16(flags):
+            logger.warning("dtype bfloat16 on a CPU without AVX512_BF16 or AMX-BF16: its products are emulated "
+                           "and likely slower than float32")
+        return dtype
+    return torch.bfloat16 if dense_linears(model) and cpu_has_bf16(flags) else torch.float32
+
+
+def _dense_tables(model: nn.Module) -> list[nn.Module]:
+    """The vocabulary tables (embedding, LM head) of `model` held as dense float matrices."""
+    return [m for m in model.modules() if getattr(m, "vocab_table", False) and getattr(m, "qtype", 1) is None]
+
+
+def set_dtype(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Hold `model`'s dense weights (dense linear layers and vocabulary tables; a tied table once) in `dtype`
+    (float32 or bfloat16); whether anything changed (then its `weights_version` is bumped: a fused step built
+    before holds the old tensors)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise InvalidRequestError(f"dense weights in {dtype}: float32 or bfloat16 only")
+    converted: dict[int, torch.Tensor] = {}  # by the old tensor's storage: a tied table converts once
+    changed = False
+    for m in [*dense_linears(model), *_dense_tables(model)]:
+        w = m.weight
+        if w.dtype == dtype:
+            continue
+        key = w.data_ptr()
+        if key not in converted:
+            converted[key] = w.data.to(dtype).contiguous()
+        w.data = converted[key]
+        changed = True
+    if changed and hasattr(model, "weights_version"):
+        model.weights_version += 1
+    return changed
