@@ -1,12 +1,13 @@
-"""Benchmark of the float32 decode-row linear (turbollm/kernels/dense.py) against F.linear.
+"""Benchmark of the decode-row linear (turbollm/kernels/dense.py), float32 or bfloat16 weights, against F.linear.
 
-For each weight shape (K -> N) and row count M it times ``F.linear`` (the sgemm torch ships) and
-``dense_linear`` (csrc/dense_gemv.cpp for M <= 8, at::linear beyond) side by side,
-round-robin, at each thread count. Weights are cold: enough copies to overflow the 32 MiB L3 are
-used in turn. GB/s counts 4 bytes a weight (what a pass over W reads), GFLOP/s 2*M*N*K/t.
-Shapes are the decode matmuls of smollm2-135m and qwen2.5-coder-0.5b (QKV, gate/up, down, LM head).
+For each weight shape (K -> N) and row count M it times ``F.linear`` (the sgemm torch ships; with
+``--dtype bfloat16`` oneDNN's bf16 matmul on x rounded to bf16) and ``dense_linear``'s pass in each form this
+CPU runs (csrc/dense_gemv.cpp avx2, csrc/dense_gemv512.cpp avx512: the same bits; up to 16 rows, at::linear
+beyond) side by side, round-robin, at each thread count. Weights are cold: enough copies to fill 256 MB
+are used in turn. GB/s counts the bytes a pass over W reads, GFLOP/s 2*M*N*K/t. Shapes are the decode
+matmuls of smollm2-135m and qwen2.5-coder-0.5b (QKV, gate/up, down, LM head).
 
-    python scripts/bench_dense.py --m 1 4 8 --threads 1 2
+    python scripts/bench_dense.py --m 1 4 8 --threads 1 2 [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from turbollm.kernels import get_kernels
-from turbollm.kernels.dense import dense_linear
 
 SHAPES = {"576x960": (576, 960), "576x3072": (576, 3072), "1536x576": (1536, 576), "576x49152": (576, 49152),
           "896x1152": (896, 1152), "896x9728": (896, 9728), "4864x896": (4864, 896)}
@@ -32,19 +32,28 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
-    if get_kernels() is None:
+    kernels = get_kernels()
+    if kernels is None:
         raise SystemExit("C++ kernels unavailable: dense_linear would be F.linear")
+    dtype = getattr(torch, args.dtype)
+    forms = ["avx2"] + (["avx512"] if "avx512_vnni" in kernels.kernel_forms() else [])
     gen = torch.Generator().manual_seed(0)
-    print(f"{'K->N':>11} {'M':>3} {'thr':>3} | {'F.linear ms':>11} {'GB/s':>5} {'GF/s':>5} | "
-          f"{'dense ms':>8} {'GB/s':>5} {'GF/s':>5} | speed-up")
+    names = ["F.linear", *forms]
+    print(f"{args.dtype} weights; {'K->N':>11} {'M':>3} {'thr':>3}" + "".join(
+        f" | {name + ' ms':>11} {'GB/s':>5} {'GF/s':>5}" for name in names) + " | best form over F.linear")
     for sname in args.shapes:
         k, n = SHAPES[sname]
-        copies = max(1, -(-CACHE_BYTES // (4 * n * k)))
-        ws = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+        size = torch.tensor([], dtype=dtype).element_size()
+        copies = max(1, -(-CACHE_BYTES // (size * n * k)))
+        ws = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
         for m in args.m:
             x = torch.randn(m, k, generator=gen)
-            fns = {"F.linear": lambda w: F.linear(x, w), "dense": lambda w: dense_linear(x, w)}
+            fns = {"F.linear": (lambda w: F.linear(x, w)) if dtype == torch.float32 else
+                   (lambda w: F.linear(x.to(dtype), w).float())}
+            for form in forms:
+                fns[form] = lambda w, form=form: kernels.dense_linear_form(x, w, None, form)
             for thr in args.threads:
                 torch.set_num_threads(thr)
                 times: dict[str, list[float]] = {name: [] for name in fns}
@@ -57,11 +66,11 @@ def main() -> None:
                             f(w)
                         times[name].append((time.perf_counter() - t0) / copies)
                 t = {name: statistics.median(v) for name, v in times.items()}
-                row = f"{k:>5}->{n:<5} {m:>3} {thr:>3}"
+                row = f"{'':>{len(args.dtype) + 9}}{k:>5}->{n:<5} {m:>3} {thr:>3}"
                 for name in fns:
-                    row += f" | {t[name] * 1e3:{11 if name == 'F.linear' else 8}.3f} {4 * n * k / t[name] / 1e9:5.1f} " \
+                    row += f" | {t[name] * 1e3:11.3f} {size * n * k / t[name] / 1e9:5.1f} " \
                            f"{2 * m * n * k / t[name] / 1e9:5.1f}"
-                print(row + f" | {t['F.linear'] / t['dense']:.2f}x", flush=True)
+                print(row + f" | {t['F.linear'] / min(t[f] for f in forms):.2f}x", flush=True)
 
 
 if __name__ == "__main__":

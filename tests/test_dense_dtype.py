@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quant_tiny import build_tiny
+from turbollm.engine_args import kv_cache_torch_dtype
 from turbollm.errors import InvalidRequestError
 from turbollm.loader import load_model
 from turbollm.quantization.dense_dtype import check_dtype, dense_linears, resolve_dtype, set_dtype
@@ -22,6 +23,13 @@ def test_names():
         check_dtype("half")
     with pytest.raises(InvalidRequestError, match="choose one of auto, float32"):
         check_dtype("int8")
+
+
+def test_auto_kv_is_float16_beside_bfloat16_weights():
+    assert kv_cache_torch_dtype("auto", "none", "float32") == torch.float32  # the exact reference
+    assert kv_cache_torch_dtype("auto", "none", "bfloat16") == torch.float16
+    assert kv_cache_torch_dtype("auto", "gguf", "float32") == torch.float16
+    assert kv_cache_torch_dtype("float32", "none", "bf16") == torch.float32  # asked for: kept
 
 
 @pytest.fixture(scope="module")

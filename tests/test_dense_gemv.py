@@ -69,3 +69,23 @@ def test_bfloat16_weights(rows, k):
             assert (out - exact).abs().max() <= 2 ** -7 * scale
             assert not torch.equal(out, exact)  # (the rounding is there: this is not the float32 product)
         assert torch.equal(dense_linear(x.unsqueeze(0), w, bias)[0], out)  # the wrapper: the same call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forms_give_the_same_bits(dtype):
+    """The AVX-512 pass (csrc/dense_gemv512.cpp) keeps the AVX2 pass's partial sums lane for lane: the same
+    bits for every row count up to 16, shape and tail; run where the CPU has AVX-512 (the AVX2 form is checked
+    against F.linear above on every CPU)."""
+    if "avx512_vnni" not in kernels.kernel_forms():
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            kernels.dense_linear_form(torch.randn(1, 16), torch.randn(4, 16), None, "avx512")
+        return
+    g = torch.Generator().manual_seed(5)
+    for k, n in ((576, 300), (72, 37), (7, 5), (1536, 130)):
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
+        for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+            x = torch.randn(rows, k, generator=g)
+            for bias in (None, b):
+                ref = kernels.dense_linear_form(x, w, bias, "avx2")
+                assert torch.equal(kernels.dense_linear_form(x, w, bias, "avx512"), ref), (k, n, rows)
+                assert torch.equal(kernels.dense_linear(x, w, bias), ref)

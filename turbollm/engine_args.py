@@ -28,18 +28,30 @@ def _available_memory() -> int:
 # What "auto" means: a model whose linear weights are quantized (GGUF block types, the int8 /
 # int4 / int3 layouts, GPTQ and AWQ folders) runs with llama.cpp's default float16 cache (KL
 # against fp32 K/V: 5e-7 to 3e-6 nats/token measured, docs/BENCHMARKS.md); the fp32 reference
-# (linear method "none", or none named, as `eval ppl` measures the weights alone) keeps float32.
+# (linear method "none", or none named, as `eval ppl` measures the weights alone) keeps float32, and
+# dense weights in bfloat16 (`dtype`) take float16 K/V, the cache of a 16-bit compute dtype as vLLM's.
 AUTO_KV_DTYPE_QUANTIZED = "float16"
 
 
-def kv_cache_torch_dtype(name: str, quantization: str | None = None):
+def kv_cache_torch_dtype(name: str, quantization: str | None = None, dtype: str = "float32"):
     """The torch dtype of kv_cache_dtype `name` (a key of KV_CACHE_DTYPES) for a model loaded with
-    linear method `quantization` (which only "auto" depends on)."""
+    linear method `quantization` and dense dtype `dtype` (which only "auto" depends on)."""
     import torch
 
-    if name == "auto" and (quantization or "none") != "none":
+    if name == "auto" and ((quantization or "none") != "none" or dense_bfloat16(dtype)):
         return getattr(torch, AUTO_KV_DTYPE_QUANTIZED)
     return getattr(torch, KV_CACHE_DTYPES[name])
+
+
+def dense_bfloat16(dtype: str) -> bool:
+    """Whether dense weights run in bfloat16 under `dtype` (its "auto": on a CPU with bfloat16 instructions)."""
+    if DENSE_DTYPES.get(dtype) == "bfloat16":
+        return True
+    if dtype != "auto":
+        return False
+    from turbollm.quantization.dense_dtype import cpu_has_bf16
+
+    return cpu_has_bf16()
 
 
 @dataclass
@@ -166,8 +178,8 @@ class EngineArgs:
         return KVPolicyConfig(self.kv_policy, self.attention_sinks, self.kv_window, self.kv_budget)
 
     def kv_torch_dtype(self, quantization: str | None = None):
-        """The K/V storage dtype for a model loaded with linear method `quantization`."""
-        return kv_cache_torch_dtype(self.kv_cache_dtype, quantization)
+        """The K/V storage dtype for a model loaded with linear method `quantization` (and this `dtype`)."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, quantization, self.dtype)
 
     def kv_cache_bytes(self) -> int:
         if self.kv_cache_memory is not None:

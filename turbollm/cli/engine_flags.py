@@ -49,7 +49,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--kv-cache-dtype", **multi("kv_cache_dtype", "auto"), choices=list(KV_CACHE_DTYPES),
                    help="K/V storage: float32, or float16 (half the bytes attention reads; values rounded to "
                         "fp16); auto (default): float16 for quantized weights (GGUF block types, --quantization "
-                        "int8/int4/int3, GPTQ/AWQ folders), as llama.cpp, float32 for the fp32 reference; int8 / "
+                        "int8/int4/int3, GPTQ/AWQ folders), as llama.cpp, and for --dtype bfloat16, float32 for the fp32 "
+                        "reference; int8 / "
                         "int4: quantized blocks (K per channel, V per token, float16 scales) with the newest "
                         "--kv-recent-window tokens in float16")
     p.add_argument("--kv-recent-window", type=int, default=None,

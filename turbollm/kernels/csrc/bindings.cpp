@@ -61,6 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(up to 16 rows; more go to at::linear, in bfloat16 for a bfloat16 W)", pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("bias") = pybind11::none(), nogil);
   m.attr("dense_max_rows") = kDenseMaxRows;
+  m.def("dense_linear_form", &dense_linear_form, "dense_linear with its pass in form 'avx2' or 'avx512' (the same "
+        "bits; dense_linear takes AVX-512 where the CPU has it)", pybind11::arg("x"), pybind11::arg("w"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("form") = "avx2", nogil);
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)",
         nogil);
 

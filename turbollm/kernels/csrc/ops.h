@@ -58,6 +58,9 @@ torch::Tensor scaled_row_max(torch::Tensor absw, torch::Tensor cands);
 // the 16 rows of a batch-16 decode, within which a row's result does not depend on the others
 constexpr int64_t kDenseMaxRows = 16;
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+// the same with the pass's form named ("avx2", "avx512": the same bits; dense_linear takes the CPU's best)
+torch::Tensor dense_linear_form(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                                const std::string& form);
 
 // kv_quant.cpp / paged_attention.cpp / flash_attention.cpp: quantized K/V (int8 / int4 blocks with
 // float16 scales, each sequence's newest tokens in a float16 ring; layout in kv_quant.h)
