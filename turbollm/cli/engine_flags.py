@@ -36,9 +36,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                    help="catalog name, GGUF file, HF folder or hub id (default: smollm2-135m)")
     p.add_argument("--quantization", default=None, action=QuantizationFlag)
     p.add_argument("--dtype", **multi("dtype", "float32"), choices=list(DENSE_DTYPES),
-                   help="dense weights (an HF folder, F32/F16 GGUF tensors, dense vocabulary tables): float32 "
+                   help="dense weights (an HF folder or --quantization none, dense vocabulary tables): float32 "
                         "(default; the exact reference), bfloat16 (half the bytes; many-row products through "
-                        "oneDNN's bf16 kernels, AMX where the CPU has it; norms, attention, K/V stay float32) or "
+                        "oneDNN's bf16 kernels, AMX where the CPU has it; norms and attention stay float32) or "
                         "auto (bfloat16 on a CPU with AVX512_BF16 / AMX-BF16, float32 elsewhere); quantized "
                         "weights are unaffected")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -2,14 +2,15 @@
 engine argument).
 
 With "bfloat16" every dense weight — the linear layers of linear method "none" (an fp32/fp16/bf16
-safetensors folder, a GGUF of F32/F16 tensors) and a dense vocabulary table (the embedding and a dense LM
+safetensors folder, a GGUF loaded with quantization "none") and a dense vocabulary table (the embedding and a dense LM
 head) — is held in bfloat16: half the bytes of float32, so a decode step, which reads them all, reads half.
 Their products go through `kernels.dense.dense_linear`: up to 16 rows our own pass over W (each bfloat16
 weight widened to float32 in registers and multiplied by the float32 row: a row's result does not depend on
 the rows beside it), beyond that oneDNN's bfloat16 matmul (AMX or AVX512_BF16 tiles where the CPU has them),
 its input rounded to bfloat16 and its output widened back. Everything else — the residual stream, norms,
-RoPE, attention, the K/V, the logits — stays float32. Quantized weights (GGML blocks, int8/int4, GPTQ/AWQ)
-are not touched: "bfloat16" concerns the dense ones only.
+RoPE, attention, the logits — stays float32 (the K/V cache's "auto" becomes float16, `engine_args.kv_cache_torch_dtype`). Quantized weights (GGML blocks, int8/int4, GPTQ/AWQ)
+are not touched: "bfloat16" concerns the dense ones only (the F32/F16 parts the "gguf" method keeps beside a
+GGUF's block types stay float32 too: not converted yet).
 
 "auto" picks bfloat16 where the CPU computes it in hardware (AVX512_BF16 or AMX-BF16 in its flags) and the
 model has dense linear weights, float32 elsewhere (on an AVX2 machine bfloat16 products are emulated: slower

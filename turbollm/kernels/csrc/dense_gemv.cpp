@@ -10,7 +10,7 @@
 // parts, a dense LM head) take this in the module path and in the fused decode step alike, so the
 // two stay bit-identical; its reference is F.linear (tests/test_dense_gemv.py).
 //
-// bfloat16 weights (dtype "bfloat16": weights.dtype.set_dtype) take the same passes, each weight widened
+// bfloat16 weights (dtype "bfloat16": quantization/dense_dtype.py) take the same passes, each weight widened
 // to float32 in registers (a shift: bfloat16 is float32's upper half) and multiplied by the float32 row:
 // half the bytes read per row, the products exact. Beyond kDenseMaxRows rows the product goes to at::linear
 // in bfloat16 (oneDNN: AMX or AVX512_BF16 tiles where the CPU has them), x rounded to bfloat16 and the
@@ -52,8 +52,9 @@ inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 -> float32: the 16 b
 #endif
 
 // Outputs n .. n + R - 1 (R rows of W at once) for T rows of x. Each output keeps two 8-wide accumulators
-// over k (k mod 16) summed at the end, whatever T and R: R only adds independent chains (one row of x
-// alone is otherwise bound by the FMA latency of its two), so a result's bits do not depend on either.
+// over k (k mod 16) summed at the end, whatever T and R: R only adds independent chains (for one or two rows
+// of x; measured no faster on the Xeon, where such a pass is bound by memory), so a result's bits do not
+// depend on either.
 template <int T, int R, typename W>
 inline void outputs(const W* w, const float* x, const float* bias, float* out, int64_t K, int64_t N, int64_t ldx,
                     int64_t n) {

@@ -8,8 +8,9 @@
 // compares the two forms' bits), and the form is chosen by the CPU alone.
 //
 // What the wider registers buy is room: 4 rows of W by up to 4 rows of x (16 accumulators of 32) share each
-// widened bfloat16 load and each row of x, where the AVX2 pass fits 4 x 1 (or 2 x 2). For one row of x the pass
-// reads memory as fast (both prefetch kAhead bytes ahead); at 16 rows it is compute that counts.
+// widened bfloat16 load and each row of x, where the AVX2 pass fits 4 x 1 (or 2 x 2). Measured (Xeon,
+// 2026-12-06, scripts/bench_dense.py): 1.1-1.2x the AVX2 pass at 16 rows, 0.8-1.05x at one to eight (one row
+// is bound by memory, and four streams of W prefetch no better than two), so dense_linear takes it from 12 rows.
 //
 // Compiled for AVX-512 F by the target pragma below (after the standard headers, as qmm_vnni512.cpp), called
 // only when the CPU has it (dense_gemv.cpp).
