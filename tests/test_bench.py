@@ -417,6 +417,33 @@ class ContinuousBatchingPipeline:
         assert len(inputs) == len(configs) and all(c.ignore_eos and not c.do_sample for c in configs)
         short = int(os.environ.get("FAKE_OV_SHORT", "0"))  # a peer that stops early
         return [_Result([int(sum(t.data[0])) % 97] * (c.max_new_tokens - short)) for t, c in zip(inputs, configs)]
+
+
+class _Mean:
+    def __init__(self, value):
+        self.mean = value
+
+
+class _Metrics:
+    def get_ttft(self):
+        return _Mean(20.0)
+
+    def get_tpot(self):
+        return _Mean(4.0)
+
+
+class _Encoded:
+    def __init__(self, ids):
+        self.tokens, self.perf_metrics = [ids], _Metrics()
+
+
+class LLMPipeline:
+    def __init__(self, path, device, **props):
+        assert os.path.isfile(os.path.join(path, "openvino_model.xml")) and props["INFERENCE_NUM_THREADS"] >= 1
+
+    def generate(self, t, c):
+        assert c.ignore_eos and c.min_new_tokens == c.max_new_tokens
+        return _Encoded([7] * c.max_new_tokens)
 '''
 FAKE_OPTIMUM_CLI = '''
 import os, sys
@@ -493,3 +520,20 @@ def test_bench_throughput_openvino_backend(fake_openvino, tiny_qwen2, tmp_path, 
     assert cmp["openvino_int8"]["turbollm_bfloat16_over_openvino_int8"]["output_tok_per_s"] == pytest.approx(
         r["turbollm_bfloat16"]["output_tok_per_s"] / r["openvino_int8"]["output_tok_per_s"], rel=1e-2)
     assert "== turbollm / OpenVINO GenAI" in capsys.readouterr().out
+
+
+def test_bench_latency_compare_openvino(fake_openvino, tiny_qwen2, tmp_path, capsys, monkeypatch):
+    from turbollm.benchmarks import openvino_backend as ob
+    from turbollm.cli.bench_perf_cmd import bench_latency
+
+    with pytest.raises(BenchmarkError, match="no measured OpenVINO iterations"):
+        ob.run_openvino_latency(fake_openvino, tmp_path, [[1, 2]], 3, threads=1, warmup=1)
+    monkeypatch.setattr("turbollm.hub.catalog.turbollm_home", lambda: tmp_path / "home")  # the IR cache
+    rec = bench_latency(_ns("bench", "latency", "-m", str(tiny_qwen2), "--input-len", "8", "--output-len", "4",
+                            "--num-iters", "2", "--threads", "1", "--kv-cache-memory", "0.01",
+                            "--compare", "openvino", "--openvino-python", fake_openvino, "--openvino-weights", "fp32"))
+    ov = rec["openvino"]["openvino_fp32"]
+    assert ov["results"]["iterations"] == 2 and ov["results"]["decode_steps"] == 2 * 3  # output_len - 1 each
+    assert ov["results"]["decode_tok_per_s"] == 250.0 and ov["results"]["prefill_tok_per_s"] == 400.0
+    assert ov["ratios"]["decode_tok_per_s"] == pytest.approx(rec["results"]["decode_tok_per_s"] / 250.0, rel=1e-2)
+    assert "turbollm / OpenVINO fp32" in capsys.readouterr().out

@@ -96,22 +96,15 @@ def exported_folder(python: Path, hf_dir: Path, weight_format: str, cache_root: 
     return target, True
 
 
-def run_openvino_throughput(python: str | Path, model_dir: str | Path, requests: list[BenchRequest], threads: int,
-                            max_num_seqs: int, max_num_batched_tokens: int, kv_cache_gib: int, warmup: bool = True,
-                            timeout_s: float | None = None) -> dict:
-    """Run the requests through OpenVINO GenAI's continuous-batching pipeline in `python`; its figures."""
-    python = check_python(str(python))
-    request = {"model": str(Path(model_dir).resolve()), "prompt_token_ids": [list(r.prompt_token_ids) for r in requests],
-               "output_lens": [r.output_len for r in requests], "warmup": warmup, "threads": threads,
-               "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-               "kv_cache_gib": kv_cache_gib}
+def _run(python: Path, request: dict, timeout_s: float | None) -> dict:
+    """Run the runner on `request` in `python` from an empty temporary folder; its result."""
     with tempfile.TemporaryDirectory(prefix="turbollm-openvino-") as tmp:
         tmp_path = Path(tmp)
         req_file, res_file = tmp_path / "request.json", tmp_path / "result.json"
         req_file.write_text(json.dumps(request), encoding="utf-8")
         runner = tmp_path / RUNNER.name  # run from an empty folder (see vllm_backend)
         shutil.copyfile(RUNNER, runner)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, OMP_NUM_THREADS=str(request["threads"]))
         try:
             proc = subprocess.run([str(python), str(runner), str(req_file), str(res_file)], cwd=tmp, env=env,
                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
@@ -123,12 +116,40 @@ def run_openvino_throughput(python: str | Path, model_dir: str | Path, requests:
             raise BenchmarkError(f"OpenVINO GenAI ({python}) failed with exit status {proc.returncode}; its stderr "
                                  f"ends with:\n{_tail(proc.stderr or proc.stdout)}")
         try:
-            res = json.loads(res_file.read_text(encoding="utf-8"))
+            return json.loads(res_file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise BenchmarkError(f"OpenVINO GenAI's runner wrote an unreadable result ({e})") from None
-    got = res.pop("output_lens", None)
-    want = [r.output_len for r in requests]
+
+
+def _check_lens(got, want: list[int]) -> None:
     if got != want:
         raise BenchmarkError(f"OpenVINO GenAI generated {got if got is None else sum(got)} tokens instead of "
-                             f"{sum(want)} (per request: {got}): the throughput figures would not be comparable")
+                             f"{sum(want)} (per request: {got}): the figures would not be comparable")
+
+
+def run_openvino_throughput(python: str | Path, model_dir: str | Path, requests: list[BenchRequest], threads: int,
+                            max_num_seqs: int, max_num_batched_tokens: int, kv_cache_gib: int, warmup: bool = True,
+                            timeout_s: float | None = None) -> dict:
+    """Run the requests through OpenVINO GenAI's continuous-batching pipeline in `python`; its figures."""
+    python = check_python(str(python))
+    request = {"model": str(Path(model_dir).resolve()), "prompt_token_ids": [list(r.prompt_token_ids) for r in requests],
+               "output_lens": [r.output_len for r in requests], "warmup": warmup, "threads": threads,
+               "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+               "kv_cache_gib": kv_cache_gib}
+    res = _run(python, request, timeout_s)
+    _check_lens(res.pop("output_lens", None), [r.output_len for r in requests])
+    return res
+
+
+def run_openvino_latency(python: str | Path, model_dir: str | Path, prompts: list[list[int]], output_len: int,
+                         threads: int, warmup: int = 1, timeout_s: float | None = None) -> dict:
+    """Each prompt alone through OpenVINO GenAI's `LLMPipeline` (greedy, exactly `output_len` tokens); TTFT and
+    time per output token as its perf_metrics give them (the first `warmup` prompts not counted)."""
+    python = check_python(str(python))
+    if len(prompts) <= warmup:
+        raise BenchmarkError("no measured OpenVINO iterations (num_iters must be >= 1)")
+    request = {"mode": "latency", "model": str(Path(model_dir).resolve()), "prompts": [list(p) for p in prompts],
+               "output_len": output_len, "warmup": warmup, "threads": threads}
+    res = _run(python, request, timeout_s)
+    _check_lens(res.pop("output_lens", None), [output_len] * len(prompts))
     return res

@@ -1,4 +1,5 @@
-"""Run by `openvino_backend.py` in OpenVINO GenAI's interpreter: `python openvino_runner.py REQUEST.json RESULT.json`.
+"""Run by `openvino_backend.py` in OpenVINO GenAI's interpreter: `python openvino_runner.py REQUEST.json RESULT.json`
+(REQUEST's "mode": "throughput", the default, or "latency").
 
 Executed by another Python (a virtual environment holding openvino-genai), so it imports only OpenVINO GenAI,
 numpy and the standard library, never turbollm. REQUEST.json holds the exported model folder, the scheduler
@@ -7,6 +8,9 @@ settings, the threads and the exact prompt token ids; RESULT.json receives the f
 Measured as vLLM's runner and turbollm's own throughput benchmark do: the pipeline is built (model compiled for
 the CPU) and one tiny request run outside the timed region, then the wall time of one `generate` call over all
 requests on the continuous-batching pipeline (greedy, ignore_eos, every request exactly its output length).
+Latency (`bench latency --compare openvino`): the `LLMPipeline` (its single-request path) runs each prompt
+alone, greedy, exactly output_len tokens; TTFT and the time per output token are OpenVINO GenAI's own
+`perf_metrics` (from the call to the first token, then per token), the first `warmup` prompts not counted.
 OpenVINO's own defaults stand (on a CPU with AVX512_BF16 / AMX its inference precision is bfloat16; int8 / int4
 weights run with int8 activations where it chooses to); what it settled on is read back and reported.
 """
@@ -98,13 +102,50 @@ def run(req: dict) -> dict:
     }
 
 
+def run_latency(req: dict) -> dict:
+    import openvino as ov
+    import openvino_genai as ovg
+
+    t_load = time.perf_counter()
+    pipe = ovg.LLMPipeline(req["model"], "CPU", INFERENCE_NUM_THREADS=req["threads"])
+    load_s = time.perf_counter() - t_load
+    ttfts, tpots, steps, lens = [], [], 0, []
+    for i, ids in enumerate(req["prompts"]):
+        res = pipe.generate(_tensor(list(ids)), _config(req["output_len"]))
+        got = len(res.tokens[0])
+        lens.append(got)
+        if i < req["warmup"]:
+            continue
+        pm = res.perf_metrics
+        ttfts.append(pm.get_ttft().mean)
+        tpots.append(pm.get_tpot().mean)
+        steps += got - 1
+    ttft = sum(ttfts) / len(ttfts)
+    tpot = sum(tpots) / len(tpots)
+    return {
+        "backend": "openvino",
+        "openvino_version": ov.get_version(),
+        "openvino_genai_version": getattr(ovg, "__version__", "?"),
+        "iterations": len(ttfts),
+        "ttft_ms_mean": round(ttft, 2),
+        "prefill_tok_per_s": round(len(req["prompts"][-1]) / ttft * 1000, 2),
+        "decode_steps": steps,
+        "decode_ms_per_step_mean": round(tpot, 3),
+        "decode_tok_per_s": round(1000 / tpot, 2),
+        "output_lens": lens,
+        "load_and_compile_s": round(load_s, 1),
+        "threads": req["threads"],
+        "timing": "OpenVINO GenAI's perf_metrics: TTFT and mean time per output token, per prompt, averaged",
+    }
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: openvino_runner.py REQUEST.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[1], encoding="utf-8") as f:
         req = json.load(f)
-    result = run(req)
+    result = run_latency(req) if req.get("mode") == "latency" else run(req)
     with open(argv[2], "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
     return 0

@@ -1,4 +1,5 @@
-"""`turbollm bench throughput --backend openvino`: OpenVINO GenAI as the peer, in the same run.
+"""`turbollm bench throughput --backend openvino` and `bench latency --compare openvino`: OpenVINO GenAI as the
+peer, in the same run.
 
 OpenVINO GenAI runs in its own interpreter (`--openvino-python`) on IR folders optimum-intel exports from the HF
 fp32 folder turbollm also runs (`benchmarks/openvino_backend.py`), one per `--openvino-weights` format (fp32,
@@ -14,6 +15,52 @@ import argparse
 from turbollm.errors import BenchmarkError
 
 
+def add_openvino_flags(p: argparse.ArgumentParser, needed_by: str) -> None:
+    p.add_argument("--openvino-python", metavar="PATH", default=None,
+                   help=f"the python of a virtual environment holding OpenVINO GenAI (needed by {needed_by}): "
+                        "pip install torch==2.13.0 openvino-genai==2026.4.1.0 'optimum-intel[openvino]'")
+    p.add_argument("--openvino-weights", nargs="+", default=["int8"], metavar="F",
+                   help="OpenVINO exports to run, each a weight format of optimum-intel: fp32, int8 (default), int4")
+
+
+def _formats(ns: argparse.Namespace) -> list[str]:
+    from turbollm.benchmarks import openvino_backend as ob
+
+    formats = list(dict.fromkeys(ns.openvino_weights))
+    for f in formats:
+        if f not in ob.WEIGHT_FORMATS:
+            raise BenchmarkError(f"--openvino-weights {f!r}: choose from {', '.join(ob.WEIGHT_FORMATS)}")
+    return formats
+
+
+def compare_latency(ns: argparse.Namespace, engine, ours: dict) -> dict:
+    """The latency workload's very prompts through OpenVINO GenAI, one export per --openvino-weights format;
+    printed and returned with the ratios turbollm ÷ each."""
+    import torch
+
+    from turbollm.benchmarks import openvino_backend as ob, vllm_backend as vb
+    from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.report import print_block
+
+    python = ob.check_python(ns.openvino_python)
+    formats = _formats(ns)
+    gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
+    prompts = [random_prompt_ids(engine.tokenizer, ns.input_len, gen) for _ in range(ns.warmup + ns.num_iters)]
+    threads = torch.get_num_threads()
+    hf_dir, _ = vb.hf_fp32_folder(engine.resolved)
+    out = {}
+    for fmt in formats:
+        ir, exported = ob.exported_folder(python, hf_dir, fmt)
+        res = ob.run_openvino_latency(python, ir, prompts, ns.output_len, threads, warmup=ns.warmup)
+        res.update(model=str(ir), exported_now=exported)
+        print_block(f"OpenVINO GenAI, {fmt} export (same prompts and threads)", res)
+        ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
+                  "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3)}
+        print_block(f"turbollm / OpenVINO {fmt}", ratios)
+        out[f"openvino_{fmt}"] = {"results": res, "ratios": ratios}
+    return out
+
+
 def bench_openvino(ns: argparse.Namespace, args, ceilings) -> dict:
     from turbollm.benchmarks import openvino_backend as ob, vllm_backend as vb
     from turbollm.benchmarks.report import print_block, write_json
@@ -22,10 +69,7 @@ def bench_openvino(ns: argparse.Namespace, args, ceilings) -> dict:
     if ns.backend != "openvino":
         raise BenchmarkError("--openvino-python goes with --backend openvino")
     python = ob.check_python(ns.openvino_python)
-    formats = list(dict.fromkeys(ns.openvino_weights))
-    for f in formats:
-        if f not in ob.WEIGHT_FORMATS:
-            raise BenchmarkError(f"--openvino-weights {f!r}: choose from {', '.join(ob.WEIGHT_FORMATS)}")
+    formats = _formats(ns)
     ours = turbollm_runs(ns, args, ceilings, "openvino")
     setting, results = ours.setting, ours.results
     labels = []

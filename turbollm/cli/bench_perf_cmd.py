@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from turbollm.benchmarks.physics import add_ceiling_flags, ceilings_from
 from turbollm.cli.bench_workload import check_workload, kv_itemsize, workload_requests
+from turbollm.cli.bench_openvino_cmd import add_openvino_flags
 from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
 from turbollm.errors import BenchmarkError
 
@@ -45,11 +46,7 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     tp.add_argument("--vllm-dtype", choices=["float32", "bfloat16", "auto"], default="float32",
                     help="what vLLM computes in (default float32, as turbollm's fp32 run; auto: vLLM's own default, "
                          "bfloat16 on CPUs with AVX512_BF16 or AMX)")
-    tp.add_argument("--openvino-python", metavar="PATH", default=None,
-                    help="the python of a virtual environment holding OpenVINO GenAI (needed by --backend openvino): "
-                         "pip install torch==2.13.0 openvino-genai==2026.4.1.0 'optimum-intel[openvino]'")
-    tp.add_argument("--openvino-weights", nargs="+", default=["int8"], metavar="F",
-                    help="OpenVINO exports to run, each a weight format of optimum-intel: fp32, int8 (default), int4")
+    add_openvino_flags(tp, "--backend openvino")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
                     help="transformers static batch size(s); with several, each is run and the best is compared")
     tp.add_argument("--no-warmup", action="store_true", help="skip the tiny untimed warm-up request per backend")
@@ -69,9 +66,11 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     lat.add_argument("--num-iters", type=int, default=3)
     lat.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     lat.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    lat.add_argument("--compare", choices=["llama.cpp"], default=None,
-                     help="also measure llama.cpp (llama-cpp-python) on the same GGUF file, same prompts and "
-                          "threads, in the same run; batch size 1")
+    lat.add_argument("--compare", choices=["llama.cpp", "openvino"], default=None,
+                     help="also measure llama.cpp (llama-cpp-python) on the same GGUF file, or OpenVINO GenAI on the "
+                          "model's HF fp32 folder exported per --openvino-weights, same prompts and threads, in the "
+                          "same run; batch size 1")
+    add_openvino_flags(lat, "--compare openvino")
     lat.add_argument("--json", metavar="FILE", default=None, help="write setting and results to FILE")
     add_ceiling_flags(lat)
     lat.set_defaults(func=run_bench_latency)
@@ -257,7 +256,7 @@ def bench_latency(ns: argparse.Namespace) -> dict:
     from turbollm.engine.llm_engine import LLMEngine
 
     if ns.compare and ns.batch_size != 1:
-        raise BenchmarkError("--compare llama.cpp measures batch size 1 (llama.cpp's single-sequence path); "
+        raise BenchmarkError(f"--compare {ns.compare} measures batch size 1 (its single-sequence path); "
                              "drop --batch-size")
     for name in ("input_len", "output_len", "batch_size", "num_iters"):
         if getattr(ns, name) < 1:
@@ -282,8 +281,12 @@ def bench_latency(ns: argparse.Namespace) -> dict:
                           ns.warmup, ns.prompt_seed)
     print_block("latency", results)
     record = {"benchmark": "latency", "setting": setting, "results": results}
-    if ns.compare:
+    if ns.compare == "llama.cpp":
         record["llama.cpp"] = _compare_llamacpp(ns, engine, phys, ceilings, results)
+    elif ns.compare == "openvino":
+        from turbollm.cli.bench_openvino_cmd import compare_latency
+
+        record["openvino"] = compare_latency(ns, engine, results)
     write_json(ns.json, record)
     return record
 
