@@ -49,7 +49,7 @@ def dense_bfloat16(dtype: str) -> bool:
         return True
     if dtype != "auto":
         return False
-    from turbollm.quantization.dense_dtype import cpu_has_bf16
+    from turbollm.kernels.dtypes import cpu_has_bf16
 
     return cpu_has_bf16()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.dtypes import DENSE_DTYPES  # noqa: F401 - the dense dtypes' names (engine_args, the CLI)
 from turbollm.spec_decode.config import SpeculativeConfig
 
 # kv_cache_dtype names -> the torch dtype (by name: this module stays import-light for the CLI)
@@ -40,11 +41,6 @@ KV_CACHE_DTYPES: dict[str, str] = {
 }
 QUANTIZED_KV = ("int8", "int4")
 DEFAULT_RECENT_WINDOW = 128  # tokens kept in float16 by a quantized K/V format
-
-# dtype names -> the torch dtype (by name) of the dense weights (quantization/dense_dtype.py); "auto" (None)
-# depends on the CPU and the model
-DENSE_DTYPES: dict[str, str | None] = {"auto": None, "float32": "float32", "float": "float32",
-                                       "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 # the quantized-matmul paths of turbollm.kernels.quant (by name: this module stays import-light)
 QMATMUL_PATHS = ("auto", "fast", "q8", "q8x2", "q16", "dequant")
@@ -64,8 +60,8 @@ class ModelArgs:
     kernel_form: str | None = None
 
     def check(self) -> None:
+        from turbollm.kernels.dtypes import check_dtype
         from turbollm.kernels.forms import check_form
-        from turbollm.quantization.dense_dtype import check_dtype
 
         check_dtype(self.dtype)
         check_form(self.kernel_form)

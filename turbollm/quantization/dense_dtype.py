@@ -27,32 +27,13 @@ import logging
 import torch
 from torch import nn
 
-from turbollm.engine_config import DENSE_DTYPES
 from turbollm.errors import InvalidRequestError
+from turbollm.kernels.dtypes import DENSE_DTYPES, check_dtype, cpu_has_bf16  # noqa: F401 - check_dtype: re-exported
 
 logger = logging.getLogger("turbollm")
 
 #: the dtype names the engine takes -> torch dtype (None: resolved per CPU and model by `resolve_dtype`)
 DTYPES: dict[str, torch.dtype | None] = {k: None if v is None else getattr(torch, v) for k, v in DENSE_DTYPES.items()}
-#: CPU flags (/proc/cpuinfo) with which bfloat16 products run in hardware
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def check_dtype(name: str) -> str:
-    """`name` if the engine takes it; else InvalidRequestError naming the choices (and why not float16)."""
-    if name not in DTYPES:
-        why = (" (float16 compute has no fast path on a CPU: use bfloat16, or float16 K/V with "
-               "--kv-cache-dtype float16)") if name in ("float16", "half", "fp16") else ""
-        raise InvalidRequestError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}{why}")
-    return name
-
-
-def cpu_has_bf16(flags: str | None = None) -> bool:
-    """Whether this CPU (or the flags given) multiplies bfloat16 in hardware."""
-    from turbollm.kernels import cpu_flags
-
-    have = set((flags if flags is not None else cpu_flags()).split())
-    return any(f in have for f in BF16_FLAGS)
 
 
 def dense_linears(model: nn.Module) -> list[nn.Module]:
