@@ -537,3 +537,22 @@ def test_bench_latency_compare_openvino(fake_openvino, tiny_qwen2, tmp_path, cap
     assert ov["results"]["decode_tok_per_s"] == 250.0 and ov["results"]["prefill_tok_per_s"] == 400.0
     assert ov["ratios"]["decode_tok_per_s"] == pytest.approx(rec["results"]["decode_tok_per_s"] / 250.0, rel=1e-2)
     assert "turbollm / OpenVINO fp32" in capsys.readouterr().out
+
+
+def test_bench_latency_compare_vllm(fake_vllm, tiny_qwen2, tmp_path, capsys):
+    from turbollm.benchmarks.vllm_backend import run_vllm_latency
+    from turbollm.cli.bench_perf_cmd import bench_latency
+
+    with pytest.raises(BenchmarkError, match="output_len >= 2"):
+        run_vllm_latency(fake_vllm, tiny_qwen2, [[1, 2], [3, 4]], 1, threads=1)
+    rec = bench_latency(_ns("bench", "latency", "-m", str(tiny_qwen2), "--input-len", "8", "--output-len", "4",
+                            "--num-iters", "2", "--threads", "1", "--kv-cache-memory", "0.01",
+                            "--compare", "vllm", "--vllm-python", fake_vllm, "--vllm-dtype", "float32"))
+    v = rec["vllm"]
+    assert v["results"]["iterations"] == 2 and v["results"]["decode_steps"] == 2 * 3
+    assert v["results"]["llm_kwargs"]["enable_prefix_caching"] is False  # the second call must prefill again
+    assert v["ratios"]["prefill_tok_per_s"] == pytest.approx(
+        rec["results"]["prefill_tok_per_s"] / v["results"]["prefill_tok_per_s"], rel=1e-2)
+    log = json.loads((tmp_path / "fake_log.json").read_text())
+    assert log["kwargs"]["max_num_seqs"] == 1 and log["kwargs"]["max_model_len"] == 8 + 4
+    assert "== turbollm / vLLM ==" in capsys.readouterr().out

@@ -140,6 +140,39 @@ def _tail(text: str) -> str:
     return text if len(text) <= STDERR_TAIL_CHARS else "..." + text[-STDERR_TAIL_CHARS:]
 
 
+def _run(python: Path, request: dict, env_extra: dict[str, str], timeout_s: float | None) -> dict:
+    """Run the runner on `request` in `python` from an empty temporary folder; its result."""
+    env = dict(os.environ)
+    env.update(env_extra)
+    with tempfile.TemporaryDirectory(prefix="turbollm-vllm-") as tmp:
+        tmp_path = Path(tmp)
+        req_file, res_file = tmp_path / "request.json", tmp_path / "result.json"
+        req_file.write_text(json.dumps(request), encoding="utf-8")
+        # run a copy from the empty folder: the script's own folder (turbollm/benchmarks, holding a
+        # `datasets.py`) must not come first on the vLLM interpreter's import path
+        runner = tmp_path / RUNNER.name
+        shutil.copyfile(RUNNER, runner)
+        try:
+            proc = subprocess.run([str(python), str(runner), str(req_file), str(res_file)], cwd=tmp, env=env,
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise BenchmarkError(f"vLLM ({python}) did not finish within {timeout_s} s; its stderr ends with:\n"
+                                 f"{_tail(err)}") from None
+        if proc.returncode != 0 or not res_file.is_file():
+            raise BenchmarkError(f"vLLM ({python}) failed with exit status {proc.returncode}; its stderr ends with:\n"
+                                 f"{_tail(proc.stderr or proc.stdout)}")
+        try:
+            return json.loads(res_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise BenchmarkError(f"vLLM's runner wrote an unreadable result ({e})") from None
+
+
+def _cpu_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "OMP_NUM_THREADS": str(threads)}
+
+
 def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: list[BenchRequest], threads: int,
                         max_num_seqs: int, kv_cache_gib: int, warmup: bool = True, seed: int = 0,
                         timeout_s: float | None = None, extra_env: dict[str, str] | None = None,
@@ -160,32 +193,7 @@ def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: lis
         "warmup": warmup, "seed": seed, "dtype": dtype,
         "llm_kwargs": {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs},
     }
-    env = dict(os.environ)
-    env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_bind(threads), VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-               OMP_NUM_THREADS=str(threads))
-    env.update(extra_env or {})
-    with tempfile.TemporaryDirectory(prefix="turbollm-vllm-") as tmp:
-        tmp_path = Path(tmp)
-        req_file, res_file = tmp_path / "request.json", tmp_path / "result.json"
-        req_file.write_text(json.dumps(request), encoding="utf-8")
-        # run a copy from the empty folder: the script's own folder (turbollm/benchmarks, holding a
-        # `datasets.py`) must not come first on the vLLM interpreter's import path
-        runner = tmp_path / RUNNER.name
-        shutil.copyfile(RUNNER, runner)
-        try:
-            proc = subprocess.run([str(python), str(runner), str(req_file), str(res_file)], cwd=tmp, env=env,
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            raise BenchmarkError(f"vLLM ({python}) did not finish within {timeout_s} s; its stderr ends with:\n"
-                                 f"{_tail(err)}") from None
-        if proc.returncode != 0 or not res_file.is_file():
-            raise BenchmarkError(f"vLLM ({python}) failed with exit status {proc.returncode}; its stderr ends with:\n"
-                                 f"{_tail(proc.stderr or proc.stdout)}")
-        try:
-            res = json.loads(res_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise BenchmarkError(f"vLLM's runner wrote an unreadable result ({e})") from None
+    res = _run(python, request, {**_cpu_env(threads, kv_cache_gib), **(extra_env or {})}, timeout_s)
     got = res.pop("output_lens", None)
     want = [r.output_len for r in requests]
     if got != want:
@@ -193,6 +201,26 @@ def run_vllm_throughput(python: str | Path, model_dir: str | Path, requests: lis
                              f"(per request: {got}): the throughput figures would not be comparable")
     res["threads"] = threads
     res["kv_cache_space_GiB"] = kv_cache_gib
+    return res
+
+
+def run_vllm_latency(python: str | Path, model_dir: str | Path, prompts: list[list[int]], output_len: int,
+                     threads: int, warmup: int = 1, dtype: str = "auto", seed: int = 0,
+                     timeout_s: float | None = None) -> dict:
+    """Each prompt alone through vLLM in `python` (its default, compiled mode; `dtype` "auto": its own default,
+    bfloat16 on a CPU with AVX512_BF16 / AMX): TTFT and decode time per token (see vllm_runner.py)."""
+    python = check_python(str(python))
+    if len(prompts) <= warmup or output_len < 2:
+        raise BenchmarkError("vLLM latency needs at least one measured prompt and output_len >= 2")
+    max_model_len = max(len(p) for p in prompts) + output_len
+    request = {"mode": "latency", "model": str(Path(model_dir).resolve()), "prompts": [list(p) for p in prompts],
+               "output_len": output_len, "warmup": warmup, "dtype": dtype, "seed": seed,
+               "max_model_len": max_model_len}
+    res = _run(python, request, _cpu_env(threads, 1), timeout_s)
+    got = res.pop("output_lens", None)
+    if got != [output_len] * len(prompts):
+        raise BenchmarkError(f"vLLM generated {got} tokens per prompt instead of {output_len}: not comparable")
+    res["threads"] = threads
     return res
 
 

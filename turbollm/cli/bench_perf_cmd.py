@@ -66,11 +66,16 @@ def add_perf_benches(bsub: argparse._SubParsersAction) -> None:
     lat.add_argument("--num-iters", type=int, default=3)
     lat.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     lat.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    lat.add_argument("--compare", choices=["llama.cpp", "openvino"], default=None,
-                     help="also measure llama.cpp (llama-cpp-python) on the same GGUF file, or OpenVINO GenAI on the "
-                          "model's HF fp32 folder exported per --openvino-weights, same prompts and threads, in the "
-                          "same run; batch size 1")
+    lat.add_argument("--compare", choices=["llama.cpp", "openvino", "vllm"], default=None,
+                     help="also measure llama.cpp (llama-cpp-python) on the same GGUF file, OpenVINO GenAI on the "
+                          "model's HF fp32 folder exported per --openvino-weights, or vLLM on that folder, same "
+                          "prompts and threads, in the same run; batch size 1")
     add_openvino_flags(lat, "--compare openvino")
+    lat.add_argument("--vllm-python", metavar="PATH", default=None,
+                     help="the python of a virtual environment holding vLLM (needed by --compare vllm)")
+    lat.add_argument("--vllm-dtype", choices=["float32", "bfloat16", "auto"], default="auto",
+                     help="what vLLM computes in for --compare vllm (default auto: its own default, bfloat16 on CPUs "
+                          "with AVX512_BF16 or AMX)")
     lat.add_argument("--json", metavar="FILE", default=None, help="write setting and results to FILE")
     add_ceiling_flags(lat)
     lat.set_defaults(func=run_bench_latency)
@@ -287,6 +292,10 @@ def bench_latency(ns: argparse.Namespace) -> dict:
         from turbollm.cli.bench_openvino_cmd import compare_latency
 
         record["openvino"] = compare_latency(ns, engine, results)
+    elif ns.compare == "vllm":
+        from turbollm.cli.bench_vllm_cmd import compare_latency as compare_vllm
+
+        record["vllm"] = compare_vllm(ns, engine, results)
     write_json(ns.json, record)
     return record
 

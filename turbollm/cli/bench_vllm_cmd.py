@@ -13,6 +13,30 @@ import argparse
 from turbollm.errors import BenchmarkError
 
 
+def compare_latency(ns: argparse.Namespace, engine, ours: dict) -> dict:
+    """The latency workload's very prompts through vLLM on the model's HF fp32 folder (--vllm-dtype; "auto", its
+    default, unless named); printed and returned with the ratios turbollm ÷ vLLM."""
+    import torch
+
+    from turbollm.benchmarks import vllm_backend as vb
+    from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.report import print_block
+
+    python = vb.check_python(ns.vllm_python)
+    gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
+    prompts = [random_prompt_ids(engine.tokenizer, ns.input_len, gen) for _ in range(ns.warmup + ns.num_iters)]
+    hf_dir, _ = vb.hf_fp32_folder(engine.resolved)
+    print("running vLLM in its interpreter (load, compile, then each prompt alone) ...", flush=True)
+    res = vb.run_vllm_latency(python, hf_dir, prompts, ns.output_len, torch.get_num_threads(), warmup=ns.warmup,
+                              dtype=ns.vllm_dtype, seed=ns.seed or 0)
+    res["model"] = str(hf_dir)
+    print_block(f"vLLM, dtype {ns.vllm_dtype} (same prompts and threads)", res)
+    ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
+              "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3)}
+    print_block("turbollm / vLLM", ratios)
+    return {"results": res, "ratios": ratios}
+
+
 def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     """vLLM (--vllm-dtype), turbollm fp32 on the same folder (and at --dtype, when not float32) and turbollm's
     default on the model, same requests."""
