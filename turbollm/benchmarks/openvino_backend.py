@@ -22,11 +22,10 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from turbollm.benchmarks.datasets import BenchRequest
-from turbollm.benchmarks.vllm_backend import _tail
+from turbollm.benchmarks.peer_process import run_runner, tail as _tail
 from turbollm.errors import BenchmarkError
 
 RUNNER = Path(__file__).with_name("openvino_runner.py")
@@ -97,28 +96,8 @@ def exported_folder(python: Path, hf_dir: Path, weight_format: str, cache_root: 
 
 
 def _run(python: Path, request: dict, timeout_s: float | None) -> dict:
-    """Run the runner on `request` in `python` from an empty temporary folder; its result."""
-    with tempfile.TemporaryDirectory(prefix="turbollm-openvino-") as tmp:
-        tmp_path = Path(tmp)
-        req_file, res_file = tmp_path / "request.json", tmp_path / "result.json"
-        req_file.write_text(json.dumps(request), encoding="utf-8")
-        runner = tmp_path / RUNNER.name  # run from an empty folder (see vllm_backend)
-        shutil.copyfile(RUNNER, runner)
-        env = dict(os.environ, OMP_NUM_THREADS=str(request["threads"]))
-        try:
-            proc = subprocess.run([str(python), str(runner), str(req_file), str(res_file)], cwd=tmp, env=env,
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            raise BenchmarkError(f"OpenVINO GenAI ({python}) did not finish within {timeout_s} s; its stderr ends "
-                                 f"with:\n{_tail(err)}") from None
-        if proc.returncode != 0 or not res_file.is_file():
-            raise BenchmarkError(f"OpenVINO GenAI ({python}) failed with exit status {proc.returncode}; its stderr "
-                                 f"ends with:\n{_tail(proc.stderr or proc.stdout)}")
-        try:
-            return json.loads(res_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise BenchmarkError(f"OpenVINO GenAI's runner wrote an unreadable result ({e})") from None
+    return run_runner("OpenVINO GenAI", python, RUNNER, request,
+                      dict(os.environ, OMP_NUM_THREADS=str(request["threads"])), timeout_s)
 
 
 def _check_lens(got, want: list[int]) -> None:

@@ -19,19 +19,17 @@ cache from `VLLM_CPU_KVCACHE_SPACE` (GiB).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 from turbollm.benchmarks.datasets import BenchRequest
+from turbollm.benchmarks.peer_process import run_runner
 from turbollm.errors import BenchmarkError
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-STDERR_TAIL_CHARS = 4000
 
 
 def check_python(path: str | None) -> Path:
@@ -135,37 +133,8 @@ def kv_space_gib(requests: list[BenchRequest], max_num_seqs: int, kv_bytes_per_t
     return max(1, math.ceil(1.25 * sum(longest) * kv_bytes_per_token / (1 << 30)))
 
 
-def _tail(text: str) -> str:
-    text = text.strip()
-    return text if len(text) <= STDERR_TAIL_CHARS else "..." + text[-STDERR_TAIL_CHARS:]
-
-
 def _run(python: Path, request: dict, env_extra: dict[str, str], timeout_s: float | None) -> dict:
-    """Run the runner on `request` in `python` from an empty temporary folder; its result."""
-    env = dict(os.environ)
-    env.update(env_extra)
-    with tempfile.TemporaryDirectory(prefix="turbollm-vllm-") as tmp:
-        tmp_path = Path(tmp)
-        req_file, res_file = tmp_path / "request.json", tmp_path / "result.json"
-        req_file.write_text(json.dumps(request), encoding="utf-8")
-        # run a copy from the empty folder: the script's own folder (turbollm/benchmarks, holding a
-        # `datasets.py`) must not come first on the vLLM interpreter's import path
-        runner = tmp_path / RUNNER.name
-        shutil.copyfile(RUNNER, runner)
-        try:
-            proc = subprocess.run([str(python), str(runner), str(req_file), str(res_file)], cwd=tmp, env=env,
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            raise BenchmarkError(f"vLLM ({python}) did not finish within {timeout_s} s; its stderr ends with:\n"
-                                 f"{_tail(err)}") from None
-        if proc.returncode != 0 or not res_file.is_file():
-            raise BenchmarkError(f"vLLM ({python}) failed with exit status {proc.returncode}; its stderr ends with:\n"
-                                 f"{_tail(proc.stderr or proc.stdout)}")
-        try:
-            return json.loads(res_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise BenchmarkError(f"vLLM's runner wrote an unreadable result ({e})") from None
+    return run_runner("vLLM", python, RUNNER, request, {**os.environ, **env_extra}, timeout_s)
 
 
 def _cpu_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
