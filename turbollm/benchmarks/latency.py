@@ -117,6 +117,18 @@ def _collectives(iters: list[dict]) -> dict | None:
     return out
 
 
+def latency_prompts(tokenizer, input_len: int, count: int, seed: int = 0) -> list[list[int]]:
+    """The prompts of a latency run, in the order its iterations take them (`batch_size` each, warm-up first):
+    a peer measured beside it (`--compare`) gets the very same ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return [random_prompt_ids(tokenizer, input_len, gen) for _ in range(count)]
+
+
+def peer_ratios(ours: dict, theirs: dict) -> dict:
+    """turbollm ÷ a peer's batch-1 figures: decode and prefill tok/s."""
+    return {key: round(ours[key] / theirs[key], 3) for key in ("decode_tok_per_s", "prefill_tok_per_s")}
+
+
 def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, output_len: int,
                 batch_size: int = 1, num_iters: int = 3, warmup: int = 1, seed: int = 0) -> dict:
     """Measure TTFT and decode latency (see the module docstring); return the figures."""
@@ -125,13 +137,11 @@ def run_latency(engine, phys: ModelPhysics, ceilings: Ceilings, input_len: int, 
                              f"{engine.max_model_len} tokens")
     if output_len < 2:
         raise BenchmarkError("--output-len must be at least 2 (one prefill token and one decode token)")
-    gen = torch.Generator().manual_seed(seed)
-    tok = engine.tokenizer
+    prompts = latency_prompts(engine.tokenizer, input_len, (warmup + num_iters) * batch_size, seed)
     preempt0 = getattr(engine.scheduler, "num_preemptions", None)
     iters = []
     for i in range(warmup + num_iters):
-        prompts = [random_prompt_ids(tok, input_len, gen) for _ in range(batch_size)]
-        res = _one_iteration(engine, prompts, output_len)
+        res = _one_iteration(engine, prompts[i * batch_size:(i + 1) * batch_size], output_len)
         if i >= warmup:
             iters.append(res)
     ttfts = [r["ttft"] for r in iters]

@@ -39,13 +39,13 @@ def compare_latency(ns: argparse.Namespace, engine, ours: dict) -> dict:
     import torch
 
     from turbollm.benchmarks import openvino_backend as ob, vllm_backend as vb
-    from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.latency import latency_prompts, peer_ratios
     from turbollm.benchmarks.report import print_block
 
     python = ob.check_python(ns.openvino_python)
     formats = _formats(ns)
-    gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
-    prompts = [random_prompt_ids(engine.tokenizer, ns.input_len, gen) for _ in range(ns.warmup + ns.num_iters)]
+    # run_latency's own prompts, in its order
+    prompts = latency_prompts(engine.tokenizer, ns.input_len, ns.warmup + ns.num_iters, ns.prompt_seed)
     threads = torch.get_num_threads()
     hf_dir, _ = vb.hf_fp32_folder(engine.resolved)
     out = {}
@@ -54,8 +54,7 @@ def compare_latency(ns: argparse.Namespace, engine, ours: dict) -> dict:
         res = ob.run_openvino_latency(python, ir, prompts, ns.output_len, threads, warmup=ns.warmup)
         res.update(model=str(ir), exported_now=exported)
         print_block(f"OpenVINO GenAI, {fmt} export (same prompts and threads)", res)
-        ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
-                  "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3)}
+        ratios = peer_ratios(ours, res)
         print_block(f"turbollm / OpenVINO {fmt}", ratios)
         out[f"openvino_{fmt}"] = {"results": res, "ratios": ratios}
     return out
@@ -72,6 +71,7 @@ def bench_openvino(ns: argparse.Namespace, args, ceilings) -> dict:
     formats = _formats(ns)
     ours = turbollm_runs(ns, args, ceilings, "openvino")
     setting, results = ours.setting, ours.results
+    mine = dict(results)  # our runs, before the peer's runs join them
     labels = []
     for fmt in formats:
         print(f"exporting {ours.hf_dir} to OpenVINO IR ({fmt} weights; cached) ...", flush=True)
@@ -87,7 +87,6 @@ def bench_openvino(ns: argparse.Namespace, args, ceilings) -> dict:
         results[label] = ob.run_openvino_throughput(python, ir, ours.requests, ours.threads, ns.max_num_seqs,
                                                     ns.max_num_batched_tokens, ours.kv_gib, warmup=not ns.no_warmup)
         print_block(label, results[label])
-    mine = {key: results[key] for key in ours.keys}
     results["comparison"] = {label: vb.ratios(results[label], mine, label) for label in labels}
     best = max(labels, key=lambda lb: results[lb]["output_tok_per_s"])
     results["comparison"]["best_peer"] = best

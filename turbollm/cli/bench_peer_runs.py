@@ -15,12 +15,11 @@ from turbollm.cli.bench_workload import check_workload, kv_itemsize, workload_re
 @dataclass
 class OurRuns:
     setting: dict
-    results: dict
+    results: dict  # by run name, in the order they ran
     requests: list = field(default_factory=list)
     threads: int = 0
     hf_dir: Path | None = None
     kv_gib: int = 1  # KV space that holds the workload's largest batch in fp32 (for the peer)
-    keys: list[str] = field(default_factory=list)  # our runs' names, in order
 
 
 def turbollm_runs(ns: argparse.Namespace, args, ceilings, backend: str) -> OurRuns:
@@ -42,10 +41,10 @@ def turbollm_runs(ns: argparse.Namespace, args, ceilings, backend: str) -> OurRu
         runs.append((f"turbollm_{args.dtype}", folder))
     if resolved.format is CheckpointFormat.GGUF or args.quantization not in (None, "none"):
         runs.append(("turbollm_default", args))
+    source = str(resolved.path) if converted or hf_dir != resolved.path else "itself"
     out = OurRuns({"benchmark": "throughput", "backend": backend, "machine": machine_setting(ceilings),
-                   "hf_fp32_folder": {"path": str(hf_dir), "converted_now": converted,
-                                      "from": str(resolved.path) if converted or hf_dir != resolved.path else "itself"}},
-                  {}, hf_dir=hf_dir, keys=[key for key, _ in runs])
+                   "hf_fp32_folder": {"path": str(hf_dir), "converted_now": converted, "from": source}},
+                  {}, hf_dir=hf_dir)
     for key, run_args in runs:
         llm = LLM(**asdict(run_args))
         engine = llm.engine

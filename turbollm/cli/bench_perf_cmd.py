@@ -308,7 +308,7 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     import torch
 
     from turbollm.benchmarks import llamacpp_backend as lc
-    from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.latency import latency_prompts, peer_ratios
     from turbollm.benchmarks.physics import bandwidth_figures, compute_figures
     from turbollm.benchmarks.report import print_block
     from turbollm.hub.resolve import CheckpointFormat
@@ -316,8 +316,8 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
     resolved = engine.resolved
     if resolved.format is not CheckpointFormat.GGUF:
         raise BenchmarkError("--compare llama.cpp needs a GGUF model (llama.cpp reads only GGUF files)")
-    gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
-    prompts = [random_prompt_ids(engine.tokenizer, ns.input_len, gen) for _ in range(ns.warmup + ns.num_iters)]
+    # run_latency's own prompts, in its order
+    prompts = latency_prompts(engine.tokenizer, ns.input_len, ns.warmup + ns.num_iters, ns.prompt_seed)
     threads = torch.get_num_threads()
     llm = lc.load_llamacpp(resolved.path, ns.input_len + ns.output_len + 8, threads, ns.input_len)
     res = lc.run_llamacpp_latency(llm, prompts, ns.output_len, warmup=ns.warmup)
@@ -330,8 +330,7 @@ def _compare_llamacpp(ns: argparse.Namespace, engine, phys, ceilings, ours: dict
                         "prefill": compute_figures(phys, ns.input_len * res["iterations"], res["iterations"],
                                                    ttft_s, ceilings)})
     print_block("llama.cpp (same GGUF, prompts and threads)", res)
-    ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
-              "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3),
+    ratios = {**peer_ratios(ours, res),
               "turbollm_resident_weight_MB": round(engine.footprint.weight_bytes / 1e6, 1),
               "llamacpp_resident_weight_MB": res["resident_weight_MB"],
               "turbollm_weights_over_file_bytes": round(engine.footprint.weight_bytes / file_bytes, 3)}

