@@ -44,14 +44,11 @@ def kv_cache_torch_dtype(name: str, quantization: str | None = None, dtype: str 
 
 
 def dense_bfloat16(dtype: str) -> bool:
-    """Whether dense weights run in bfloat16 under `dtype` (its "auto": on a CPU with bfloat16 instructions)."""
-    if DENSE_DTYPES.get(dtype) == "bfloat16":
-        return True
-    if dtype != "auto":
-        return False
-    from turbollm.kernels.dtypes import cpu_has_bf16
+    """Whether dense weights run in bfloat16 under `dtype` (its "auto": on a CPU with bfloat16 instructions; the
+    model's weights are not known here, and a quantized model's K/V is float16 either way)."""
+    from turbollm.kernels.dtypes import dense_dtype_name
 
-    return cpu_has_bf16()
+    return dense_dtype_name(dtype) == "bfloat16"
 
 
 @dataclass

@@ -28,3 +28,12 @@ def cpu_has_bf16(flags: str | None = None) -> bool:
 
     have = set((flags if flags is not None else cpu_flags()).split())
     return any(f in have for f in BF16_FLAGS)
+
+
+def dense_dtype_name(name: str, has_dense: bool = True, flags: str | None = None) -> str:
+    """The torch dtype's name that dtype `name` means: "auto" is bfloat16 for a model with dense weights
+    (`has_dense`) on a CPU that multiplies bfloat16 in hardware, float32 otherwise; other names as they say."""
+    resolved = DENSE_DTYPES[check_dtype(name)]
+    if resolved is not None:
+        return resolved
+    return "bfloat16" if has_dense and cpu_has_bf16(flags) else "float32"

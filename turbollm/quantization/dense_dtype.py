@@ -28,12 +28,9 @@ import torch
 from torch import nn
 
 from turbollm.errors import InvalidRequestError
-from turbollm.kernels.dtypes import DENSE_DTYPES, check_dtype, cpu_has_bf16  # noqa: F401 - check_dtype: re-exported
+from turbollm.kernels.dtypes import DENSE_DTYPES, check_dtype, cpu_has_bf16, dense_dtype_name
 
 logger = logging.getLogger("turbollm")
-
-#: the dtype names the engine takes -> torch dtype (None: resolved per CPU and model by `resolve_dtype`)
-DTYPES: dict[str, torch.dtype | None] = {k: None if v is None else getattr(torch, v) for k, v in DENSE_DTYPES.items()}
 
 
 def dense_linears(model: nn.Module) -> list[nn.Module]:
@@ -45,14 +42,11 @@ def dense_linears(model: nn.Module) -> list[nn.Module]:
 
 def resolve_dtype(name: str, model: nn.Module, flags: str | None = None) -> torch.dtype:
     """The torch dtype `name` means for `model` on this CPU ("auto": bfloat16 for dense weights on a CPU with
-    bfloat16 instructions, float32 otherwise)."""
-    dtype = DTYPES[check_dtype(name)]
-    if dtype is not None:
-        if dtype == torch.bfloat16 and not cpu_has_bf16(flags):
-            logger.warning("dtype bfloat16 on a CPU without AVX512_BF16 or AMX-BF16: its products are emulated "
-                           "and likely slower than float32")
-        return dtype
-    return torch.bfloat16 if dense_linears(model) and cpu_has_bf16(flags) else torch.float32
+    bfloat16 instructions, float32 otherwise: `kernels.dtypes.dense_dtype_name`)."""
+    if DENSE_DTYPES[check_dtype(name)] == "bfloat16" and not cpu_has_bf16(flags):
+        logger.warning("dtype bfloat16 on a CPU without AVX512_BF16 or AMX-BF16: its products are emulated "
+                       "and likely slower than float32")
+    return getattr(torch, dense_dtype_name(name, bool(dense_linears(model)), flags))
 
 
 def _dense_tables(model: nn.Module) -> list[nn.Module]:
