@@ -8,6 +8,7 @@ model for every pair that is not refused, a few greedy tokens each, under the ex
 from __future__ import annotations
 
 import itertools
+import tempfile
 
 import pytest
 
@@ -33,6 +34,7 @@ EXAMPLES: dict[str, dict] = {
     "a worker process": {"distributed_executor_backend": "mp"},
     "no prefix caching": {"enable_prefix_caching": False},
     "bfloat16 dense weights": {"dtype": "bfloat16"},
+    "a KV connector (kv_transfer_config, kv_store_path)": {"kv_store_path": tempfile.mkdtemp(prefix="turbollm-kvs-")},
 }
 REASONS = [r.reason for r in REFUSALS]
 

@@ -24,7 +24,8 @@ so it is a dependency all the same. Relative imports are resolved, and
   scheduler side never imports the worker side, the executors or the front door; the worker side
   and the executors never import the scheduler side or the front door; the contract imports none
   of them (the last edge against it, the draft runner sizing its K/V with the scheduler side's
-  arithmetic, now gets the sized config handed in).
+  arithmetic, now gets the sized config handed in); ``kv_transfer/`` (the block store's files, which the
+  two halves of a KV connector share) imports none of them either.
 - No module cycle either (inside a package too; the last two were broken by moving the shared piece:
   the lookup groups into ``tensor_parallel``, the benchmarks' workload into ``cli/bench_workload.py``).
 Failures name the import lines that make the violating edge.
@@ -45,16 +46,19 @@ OFFLINE = frozenset({"quantize", "eval", "benchmarks", "cli"})
 #: launchers allowed to import the offline tools (``python -m turbollm`` runs the CLI)
 ENTRY = frozenset({"__main__"})
 #: named in the rule; checked to exist so that a rename cannot leave the test checking nothing
-SERVING_PATH = ("layers", "quantization", "kernels", "models", "loader", "engine", "core", "handoff", "executor",
-                "worker", "attention", "formats", "tokenizer", "server", "entrypoints")
+SERVING_PATH = ("layers", "quantization", "kernels", "models", "loader", "engine", "core", "handoff", "kv_transfer",
+                "executor", "worker", "attention", "formats", "tokenizer", "server", "entrypoints")
 
 
 #: the engine's folders, and (importer, imported) pairs that break the one-way rule between them
-SIDES = ("engine", "core", "handoff", "executor", "worker")
+SIDES = ("engine", "core", "handoff", "kv_transfer", "executor", "worker")
 FORBIDDEN_SIDE_EDGES = frozenset({("core", "worker"), ("core", "executor"), ("core", "engine"),
                                   ("worker", "core"), ("worker", "engine"), ("executor", "core"),
                                   ("executor", "engine"), ("handoff", "core"), ("handoff", "worker"),
-                                  ("handoff", "executor"), ("handoff", "engine")})
+                                  ("handoff", "executor"), ("handoff", "engine"),
+                                  # the block store's files: what both halves of a KV connector read and write
+                                  ("kv_transfer", "core"), ("kv_transfer", "worker"), ("kv_transfer", "executor"),
+                                  ("kv_transfer", "engine")})
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from turbollm.engine_config import DENSE_DTYPES, QMATMUL_PATHS  # noqa: F401 - t
 from turbollm.engine_config import (DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUANTIZED_KV, CacheArgs, EngineConfig,
                                     ModelArgs, ParallelArgs, SchedulerArgs)
 from turbollm.errors import InvalidRequestError
+from turbollm.handoff.kv_transfer import parse_kv_transfer_config
 from turbollm.spec_decode.config import parse_speculative_config
 
 GiB = 1 << 30
@@ -122,6 +123,11 @@ class EngineArgs:
     # parsed into a SpeculativeConfig here (every bad field named before anything loads): "ngram",
     # "suffix" or "draft_model" (a draft model is checked against the target by the engine, unloaded)
     speculative_config: object = None
+    # a KV connector (handoff/kv_transfer.py), vLLM's kv_transfer_config: a dict or its JSON text, e.g.
+    # {"kv_connector": "store", "kv_role": "kv_both", "kv_store_path": "/var/kv"}; kv_store_path alone means
+    # that store (prefix blocks kept in files that outlive the process, shared by the instances that name them)
+    kv_transfer_config: object = None
+    kv_store_path: str | None = None
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other arguments, then check every group and every pair of
@@ -141,6 +147,7 @@ class EngineArgs:
             raise InvalidRequestError("distributed_executor_backend 'torchrun' takes ranks torchrun started: run under "
                                       "torchrun with tensor_parallel_size x pipeline_parallel_size > 1")
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config, self.kv_store_path)
         if self.kv_cache_dtype in QUANTIZED_KV and self.kv_recent_window is None:
             self.kv_recent_window = DEFAULT_RECENT_WINDOW
         self.engine_config().check()
@@ -161,7 +168,7 @@ class EngineArgs:
                          self.pipeline_parallel_size,
                          tuple(self.pp_layer_partition) if self.pp_layer_partition is not None else None,
                          self.pp_microbatches, self.pp_steps_in_flight),
-            self.speculative_config, SchedulerArgs(self.max_num_seqs, self.max_num_batched_tokens))
+            self.speculative_config, self.kv_transfer_config, SchedulerArgs(self.max_num_seqs, self.max_num_batched_tokens))
 
     @property
     def world_size(self) -> int:

@@ -7,14 +7,15 @@ flags, a config file's keys). `EngineArgs.engine_config()` groups it as vLLM's `
 - `CacheArgs`: the paged K/V (block size, budget, storage format, KV policy and its options, prefix caching);
 - `ParallelArgs`: how the engine reaches its workers (executor, tensor and pipeline parallelism);
 - `SchedulerArgs`: what a step may hold (sequences, tokens);
-- `SpeculativeConfig` (spec_decode/config.py): speculative decoding, or None.
+- `SpeculativeConfig` (spec_decode/config.py): speculative decoding, or None;
+- `KVTransferConfig` (handoff/kv_transfer.py): a KV connector (the block store), or None.
 
 Each group checks its own fields (`check`). What no group can see alone, two techniques that do not work
 together, is `REFUSALS`: pairs of `TECHNIQUES` (a name and a test of the config) with the reason each pair is
 refused; `check_combinations` raises the first that applies, naming both. tests/test_engine_config.py walks
 every pair of techniques: either the pair is in the table or an engine runs with both.
 
-The workers read only what they use (`WorkerConfig`: model, cache, parallel, speculative; the scheduler's
+The workers read only what they use (`WorkerConfig`: model, cache, parallel, speculative, KV transfer; the scheduler's
 limits stay with the scheduler).
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from turbollm.errors import InvalidRequestError
+from turbollm.handoff.kv_transfer import KVTransferConfig
 from turbollm.kernels.dtypes import DENSE_DTYPES  # noqa: F401 - the dense dtypes' names (engine_args, the CLI)
 from turbollm.spec_decode.config import SpeculativeConfig
 
@@ -159,6 +161,7 @@ class WorkerConfig:
     cache: CacheArgs
     parallel: ParallelArgs
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ class EngineConfig(WorkerConfig):
     scheduler: SchedulerArgs = SchedulerArgs()
 
     def for_workers(self) -> WorkerConfig:
-        return WorkerConfig(self.model, self.cache, self.parallel, self.speculative)
+        return WorkerConfig(self.model, self.cache, self.parallel, self.speculative, self.kv_transfer)
 
     def check(self) -> None:
         for group in (self.model, self.cache, self.parallel, self.scheduler):
@@ -194,6 +197,8 @@ TECHNIQUES: dict[str, Callable[[EngineConfig], bool]] = {
     "pipeline parallelism (pipeline_parallel_size > 1)": lambda c: c.parallel.pipeline_parallel_size > 1,
     "tensor or pipeline parallelism": lambda c: c.parallel.world_size > 1,
     "quantization 'int8'": lambda c: c.model.quantization == "int8",
+    "a KV connector (kv_transfer_config, kv_store_path)": lambda c: c.kv_transfer is not None,
+    "no prefix caching": lambda c: not c.cache.enable_prefix_caching,
 }
 
 
@@ -221,6 +226,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "not built yet: the drafts would ride the pipeline's steps in flight"),
     Refusal("tensor or pipeline parallelism", "quantization 'int8'",
             "its channel equalization runs a calibration pass that does not run sharded yet; use 'int8-rtn' (or int4)"),
+    Refusal("a KV connector (kv_transfer_config, kv_store_path)", "no prefix caching",
+            "blocks are named by their prefix-cache keys"),
+    Refusal("a KV connector (kv_transfer_config, kv_store_path)", "an evicting kv_policy (h2o, snapkv)",
+            "an evicted table leaves the prefix cache, whose keys name the blocks"),
+    Refusal("a KV connector (kv_transfer_config, kv_store_path)", "tensor or pipeline parallelism",
+            "not built yet: each rank would move its own shard of every block"),
 )
 
 

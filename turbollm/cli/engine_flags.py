@@ -109,6 +109,14 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
         p.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, vLLM's names: '{\"method\": \"ngram\" | \"suffix\" | \"draft_model\", "
                             "\"num_speculative_tokens\": K, ...}' (K adapts per step unless \"adaptive\": false)")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="a KV connector, vLLM's names: '{\"kv_connector\": \"store\", \"kv_role\": \"kv_both\" | "
+                        "\"kv_producer\" | \"kv_consumer\", \"kv_store_path\": DIR, \"kv_store_max_bytes\": N, "
+                        "\"kv_store_ram_bytes\": N}' (the store: prefix blocks kept in files that outlive the process)")
+    p.add_argument("--kv-store-path", default=None, metavar="DIR",
+                   help="keep prefix KV blocks in this folder (the store connector, role kv_both): a later run, or "
+                        "another instance naming the same folder, loads a prompt's cached prefix instead of "
+                        "computing it; size cap 8 GiB (least recently used deleted), see --kv-transfer-config")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     add_config_flags(p)
@@ -128,4 +136,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kernel_form=ns.kernel_form, tensor_parallel_size=ns.tensor_parallel_size, tp_shared_memory=ns.tp_shared_memory,
         pipeline_parallel_size=ns.pipeline_parallel_size, pp_layer_partition=ns.pp_layer_partition,
         pp_microbatches=ns.pp_microbatches, pp_steps_in_flight=ns.pp_steps_in_flight,
-        speculative_config=getattr(ns, "speculative_config", None))
+        speculative_config=getattr(ns, "speculative_config", None),
+        kv_transfer_config=ns.kv_transfer_config, kv_store_path=ns.kv_store_path)

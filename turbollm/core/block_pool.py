@@ -124,10 +124,12 @@ class BlockPool:
                 if self.block_hash[b] is None:  # nothing worth keeping: reuse it first
                     self.free.move_to_end(b, last=False)
 
-    def cache_full_block(self, block: int, h: bytes) -> None:
-        """Index a block whose tokens are all computed under its prefix hash `h`."""
+    def cache_full_block(self, block: int, h: bytes) -> bool:
+        """Index a block whose tokens are all computed under its prefix hash `h`; whether it is new in the index."""
         if not self.enable_caching or self.block_hash[block] is not None:
-            return
-        if h not in self.cached:
-            self.cached[h] = block
-            self.block_hash[block] = h
+            return False
+        if h in self.cached:
+            return False
+        self.cached[h] = block
+        self.block_hash[block] = h
+        return True

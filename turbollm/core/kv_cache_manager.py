@@ -7,12 +7,9 @@ the same length: a table covers the sequence's computed tokens plus the ones sch
 step. A sliding-window group releases the blocks its window has moved past (their table entries
 become `NULL_BLOCK`); a full-attention group keeps every block until the sequence ends.
 
-Full blocks are indexed in each group's prefix cache by a digest chained over every token before
-them (`block_pool.hash_block`), rooted in the model's salt and keyed per group with the group's
-spec (KV dtype, layout, window), so a new sequence can start from the longest prefix that every
-group still holds (always leaving one token to compute) — a sliding-window group only the blocks
-its window still sees from there, its older entries `NULL_BLOCK`. A block shared with another
-sequence (n > 1 siblings) is copied before a sequence writes into it, in every group.
+The prefix cache (taking a new sequence's longest cached prefix, indexing full blocks, a KV connector's
+blocks) is `prefix_cache.py`'s, mixed in. A block shared with another sequence (n > 1 siblings) is copied
+before a sequence writes into it, in every group.
 
 Under an attention-score eviction policy (`kv_eviction.py`) a sequence's table is compacted as
 blocks are evicted (`evict`): it lists the kept blocks in order, and position p of the blocks after
@@ -25,8 +22,9 @@ from __future__ import annotations
 import copy
 import hashlib
 
-from turbollm.core.block_pool import NULL_BLOCK, BlockPool, CacheStats, hash_block
+from turbollm.core.block_pool import NULL_BLOCK, BlockPool, CacheStats
 from turbollm.core.kv_eviction import EvictionSpec, Evictor
+from turbollm.core.prefix_cache import PrefixCaching
 from turbollm.core.sequence import Sequence
 from turbollm.handoff.kv_cache_spec import KVCacheConfig, KVCacheSpec
 
@@ -35,7 +33,7 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCaching):
     def __init__(self, block_size: int, pools: list[BlockPool], specs: list[KVCacheSpec | None] | None = None,
                  salts: list[bytes] | None = None, root: bytes = b"", block_bytes: list[int] | None = None,
                  ring_blocks: int = 0, num_ring_slots: int = 0):
@@ -56,6 +54,7 @@ class KVCacheManager:
         self.evictor = Evictor(spec) if spec is not None else None
         self.num_evicted_blocks = 0  # blocks evicted since start (every group's count once)
         self.stats = CacheStats()
+        self.connector = None  # a KV connector's scheduler half (core/kv_connector.py), set by the engine
         for p in pools:
             p.stats = self.stats  # evictions from every group land in one set of counters
 
@@ -266,107 +265,3 @@ class KVCacheManager:
         seq.num_blocks_sent -= sum(1 for i in gone if i < seq.num_blocks_sent)
         self.num_evicted_blocks += len(gone)
         return gone
-
-    # ---------------------------------------------------------------- prefix cache
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Prefix keys of the sequence's first `num_blocks` full blocks (computed once, kept)."""
-        bs, hashes = self.block_size, seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            tokens = [seq.token_at(t) for t in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else self.root, tokens))
-        return hashes
-
-    def take_cached_prefix(self, seq: Sequence) -> None:
-        """Point a fresh sequence at the cached blocks of its longest prefix that every group holds — a
-        group that releases blocks out of its window only those the next token's window sees (counted
-        in the stats by `count_admitted`, once the sequence is admitted)."""
-        if not self.enable_caching or seq.num_computed_tokens or seq.block_tables:
-            return
-        if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
-            return
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
-        hashes = self._hashes(seq, max_blocks)
-        found: list[list[int | None]] = []  # per group, the cached block of each prefix position (None: missing)
-        n = max_blocks
-        for g, (pool, key) in enumerate(zip(self.pools, self.keys)):
-            if self._releases(g):
-                found.append([pool.lookup(key + h) for h in hashes[:n]])
-                continue
-            blocks = []
-            for h in hashes[:n]:  # a group that keeps every block needs them all, from the first
-                block = pool.lookup(key + h)
-                if block is None:
-                    break
-                blocks.append(block)
-            found.append(blocks)
-            n = len(blocks)
-        windowed = [g for g in range(self.num_groups) if self._releases(g)]
-        while windowed:  # the longest hit whose window every windowed group holds (a shorter hit moves
-            # every window back: check them all again until none shortens it)
-            m = n
-            for g in windowed:
-                m = self._window_hit(g, found[g], m)
-            if m == n:
-                break
-            n = m
-        tables = self.tables(seq)
-        for g, (pool, blocks, table) in enumerate(zip(self.pools, found, tables)):
-            first, keep = self._first_needed_block(g, n), self._kept_blocks(g)
-            for i in range(n):
-                b = blocks[i] if i >= first or i < keep else NULL_BLOCK
-                pool.touch(b)
-                table.append(b)
-        seq.num_cached_blocks = n
-        seq.num_computed_tokens = n * self.block_size
-
-    def _releases(self, group: int) -> bool:
-        spec = self.specs[group]
-        return spec is not None and spec.releases_blocks
-
-    def _first_needed_block(self, group: int, num_blocks: int) -> int:
-        """The first block a group needs after a hit of `num_blocks` blocks (0 for a group keeping all)."""
-        spec = self.specs[group]
-        return spec.first_needed_position(num_blocks * self.block_size) // self.block_size if spec else 0
-
-    def _kept_blocks(self, group: int) -> int:
-        spec = self.specs[group]
-        return spec.kept_blocks() if spec else 0
-
-    def _window_hit(self, group: int, blocks: list[int | None], n: int) -> int:
-        """The longest hit m <= n whose kept blocks (sinks) 0 .. kept - 1 and window blocks first_needed(m) ..
-        m - 1 the group holds (`blocks`)."""
-        keep = self._kept_blocks(group)
-        while n > 0:
-            missing = next((i for i in range(n - 1, -1, -1) if blocks[i] is None), -1)
-            if missing < self._first_needed_block(group, n):
-                sink_gap = next((i for i in range(min(keep, n)) if blocks[i] is None), None)
-                if sink_gap is None:
-                    return n
-                n = sink_gap  # shorter hits lie within the kept blocks, all present before the gap
-                continue
-            n = missing  # a longer hit's window starts no earlier, so it would hold the gap too
-        return 0
-
-    def count_admitted(self, seq: Sequence) -> None:
-        """Prefix-cache stats of an admitted sequence (a lookup refused for lack of blocks is not counted)."""
-        if self.enable_caching and seq.params.prompt_logprobs is None:
-            self.stats.queries += seq.num_tokens
-            self.stats.hits += seq.num_computed_tokens
-
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """After a step: index the sequence's newly full blocks in each group's prefix cache."""
-        if not self.enable_caching or seq.evicted_blocks:
-            return
-        tables = self.tables(seq)
-        ready = min(spec.cacheable_tokens(seq.num_computed_tokens) if spec else seq.num_computed_tokens
-                    for spec in self.specs)  # a quantized format's recent tokens are not in the pool yet
-        full = min(ready // self.block_size, len(tables[0]))
-        if full <= seq.num_cached_blocks:
-            return
-        hashes = self._hashes(seq, full)
-        for pool, key, table in zip(self.pools, self.keys, tables):
-            for i in range(seq.num_cached_blocks, full):
-                if table[i] != NULL_BLOCK:
-                    pool.cache_full_block(table[i], key + hashes[i])
-        seq.num_cached_blocks = full

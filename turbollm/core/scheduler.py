@@ -36,7 +36,8 @@ share them. A sequence whose blocks are held by newer sequences in flight ends t
 while a step that used it is in flight (an aborted request) may go to a later step at once: every
 stage runs the steps in order, so the later step's writes come after the earlier one's.
 The speculative-decoding side (room for drafts, verifying the drafts the workers proposed, the adaptive
-planner) is `scheduler_spec.py`'s; the proposers run on the worker side.
+planner) is `scheduler_spec.py`'s; the proposers run on the worker side. A KV connector's loads (a sequence
+whose prefix blocks come from outside waits one step for them) are `scheduler_kv_transfer.py`'s.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 
 from turbollm.core.forking import Forking
 from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.scheduler_kv_transfer import KVTransferScheduling
 from turbollm.core.scheduler_spec import SpeculationPlanning
 from turbollm.core.sequence import Sequence, SequenceStatus
 from turbollm.handoff.runner_output import ModelRunnerOutput, PromptLogprobs, SampledToken
@@ -91,11 +93,12 @@ class _Step:
         self.budget -= n
 
 
-class Scheduler(SpeculationPlanning):
+class Scheduler(SpeculationPlanning, KVTransferScheduling):
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, num_spec_tokens: int = 0, drafts_write_kv: bool = False):
         self.kv, self.block_size = kv, kv.block_size
         self._init_speculation(num_spec_tokens, drafts_write_kv)
+        self._init_kv_transfer()  # a KV connector's loads (core/scheduler_kv_transfer.py)
         self.forking = Forking(kv, self.next_seq_id)  # n > 1 siblings
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -129,12 +132,13 @@ class Scheduler(SpeculationPlanning):
         self.seqs[seq.seq_id] = seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_seq_slots(self) -> int:
-        """Sequence slots taken: every running sequence plus the siblings its prompt will fork."""
-        return sum(self.forking.slots(s) for s in self.running)
+        """Sequence slots taken: every running (or loading) sequence plus the siblings its prompt will fork."""
+        return sum(self.forking.slots(s) for s in self.running) + sum(self.forking.slots(s)
+                                                                       for s, _ in self.loading.values())
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -177,6 +181,8 @@ class Scheduler(SpeculationPlanning):
             if d:
                 out.scheduled_token_ids[seq.seq_id] = out.scheduled_token_ids[seq.seq_id] + d
                 out.spec_token_ids[seq.seq_id] = d
+        if self.kv.connector is not None:
+            out.kv_transfer = self.kv.connector.take_meta()
         self.kv.note_usage()
         self.in_flight.update(out.scheduled_token_ids)
         if out.is_empty:  # nothing runs: the workers hear of the finished and preempted sequences next time
@@ -237,7 +243,10 @@ class Scheduler(SpeculationPlanning):
         while self.waiting and not step.full \
                 and self.num_seq_slots + self.forking.slots(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
-            self.kv.take_cached_prefix(seq)
+            loads = self.kv.take_cached_prefix(seq)
+            if loads:  # blocks of its prefix come from outside first (a KV connector)
+                self._park_for_load(seq, loads)
+                continue
             self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             # (a quantized format: the float16 rings of recent tokens, its own and its siblings'-to-be, first)
@@ -302,6 +311,8 @@ class Scheduler(SpeculationPlanning):
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self._forget_load(seq)
         self.kv.free(seq)
         self._released.pop(seq.seq_id, None)
 
@@ -322,6 +333,7 @@ class Scheduler(SpeculationPlanning):
         result = SchedulerUpdate()
         updates: dict[int, SeqUpdate] = {}
         self.returned(sched)
+        self._loads_done(sched, out)
         for sid, tokens in sched.scheduled_token_ids.items():
             seq = self.seqs.get(sid)
             if seq is not None:

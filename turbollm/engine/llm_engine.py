@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from turbollm.core.kv_cache_manager import KVCacheManager
+from turbollm.core.kv_connector import make_scheduler_connector
 from turbollm.core.kv_policy import get_kv_policy
 from turbollm.core.kv_sizing import batched_tokens, kv_config_for_model, size_kv_cache
 from turbollm.core.scheduler import Scheduler
@@ -51,6 +52,7 @@ from turbollm.executor import get_executor_class
 from turbollm.executor.torchrun import run_worker
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
 from turbollm.handoff.scheduler_output import SchedulerOutput
+from turbollm.kernels.dtypes import dense_dtype_name
 from turbollm.kernels.forms import resolve_form
 from turbollm.loader import LoadedModel, describe_model, load_model
 from turbollm.log import init_logger
@@ -83,6 +85,8 @@ class LLMEngine:
                            "each process runs an engine of its own", os.environ.get("WORLD_SIZE"))
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
+        # a KV connector's scheduler half (core/kv_connector.py): a store folder that cannot be written fails here
+        connector = make_scheduler_connector(args.kv_transfer_config, args.block_size)
         desc, loaded, draft_desc = self._read_model(args, loaded)
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved
@@ -92,14 +96,16 @@ class LLMEngine:
             args = dataclasses.replace(args, pp_layer_partition=[len(r) for r in stages])
             logger.info("pipeline parallelism: %d stages of %s layers", len(stages), "+".join(str(len(r)) for r in stages))
         self.args = args
-        # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key
+        # what a block's K/V depend on besides its tokens (the group's spec adds its own): in every prefix key, and
+        # so in the name of every block a KV connector moves (a block store outlives the process)
         salt = repr((str(self.resolved.path) if self.resolved is not None else args.model, self.quantization,
-                     args.qmatmul, resolve_form(args.kernel_form))).encode()
+                     args.qmatmul, resolve_form(args.kernel_form), dense_dtype_name(args.dtype))).encode()
         self.kv_config, self.max_model_len = size_kv_cache(args, self.config, args.kv_torch_dtype(self.quantization),
                                                            salt)
         # an evicted table no longer matches its prompt's block keys: no prefix caching under eviction
         self.kv_manager = KVCacheManager.from_config(
             self.kv_config, enable_caching=args.enable_prefix_caching and not get_kv_policy(args.kv_policy).evicts)
+        self.kv_manager.connector = connector
         spec = args.speculative_config
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, batched_tokens(args), self.max_model_len,
                                    spec.num_speculative_tokens if spec is not None else 0,
@@ -220,7 +226,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float | int | list[int]]:
         """Engine counters: requests, KV blocks and bytes (in use, peak, allocated), prefix cache (tokens),
-        preemptions, blocks evicted by an attention-score policy; with speculation,
+        preemptions, blocks evicted by an attention-score policy; with a KV connector its counters
+        (core/kv_connector.py: blocks and bytes loaded and saved, load failures); with speculation,
         its counters (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`, and
         `spec_decode_accepted_per_pos`: drafts accepted at each position)."""
         pool, sched = self.kv_manager, self.scheduler
@@ -235,6 +242,7 @@ class LLMEngine:
             "num_steps": self.step_counts[0], "num_step_seqs": self.step_counts[1],
             "num_step_tokens": self.step_counts[2], "kv_groups": self._kv_group_stats(),
             **(self._spec_stats() if sched.speculates else {}),
+            **(pool.connector.stats if pool.connector is not None else {}),
         }
 
     def _kv_group_stats(self) -> list[dict[str, int | str]]:

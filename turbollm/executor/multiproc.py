@@ -66,6 +66,7 @@ def _worker_main(conn, config, kv_config, rank=0, init_method=None, sampler_seed
     try:
         _serve(conn, worker)
     finally:
+        worker.close()  # (a KV connector's writes finish first)
         import torch.distributed as dist
 
         if dist.is_initialized():  # leave the tensor-parallel group cleanly (its threads stop)

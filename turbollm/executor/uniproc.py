@@ -21,3 +21,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.worker.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from turbollm.handoff.kv_transfer import KVTransferStats
+
 
 @dataclass
 class SampledToken:
@@ -50,3 +52,7 @@ class ModelRunnerOutput:
     # the seconds the worker spent on this step (`Worker.execute_model`, drafting included): against the
     # engine's wait for it, what crossing the process boundary cost (scripts/mp_overhead.py)
     worker_seconds: float = 0.0
+    # a KV connector: seq_id -> whether every block loaded for it this step arrived whole (False: the scheduler
+    # frees them and the sequence computes its prefix itself), and what the connector did
+    kv_loaded: dict[int, bool] = field(default_factory=dict)
+    kv_stats: KVTransferStats | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from turbollm.handoff.kv_transfer import KVTransferMeta
 from turbollm.sampling_params import SamplingParams
 
 BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
@@ -85,7 +86,10 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)  # this step: their blocks are gone
     # sequences that cannot fit in the whole KV pool: taken out, to be ended with an error
     unschedulable_seq_ids: list[int] = field(default_factory=list)
+    # a KV connector's loads and saves, done before the forward pass (handoff/kv_transfer.py)
+    kv_transfer: KVTransferMeta = field(default_factory=KVTransferMeta)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_token_ids
+        """Nothing for the workers to do: no tokens to compute and no blocks to load or save."""
+        return not self.scheduled_token_ids and not self.kv_transfer

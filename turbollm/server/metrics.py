@@ -56,6 +56,10 @@ class _EngineCollector:
             counters += [("spec_decode_num_drafts", "Verification steps of speculating sequences."),
                          ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                          ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")]
+        if "kv_blocks_loaded" in s:  # a KV connector (core/kv_connector.py)
+            from turbollm.core.kv_connector import STAT_DOCS
+
+            counters += list(STAT_DOCS.items())
         for name, doc in counters:
             c = CounterMetricFamily(P + name, doc, labels=labels)
             c.add_metric([self.model_name], float(s[name]))

@@ -205,7 +205,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(sched)
         out = ModelRunnerOutput()
-        if sched.is_empty:
+        if not sched.scheduled_token_ids:  # (a step of KV transfers only: the worker's connector did them)
             return out
         self.copy_blocks(sched.copy_blocks)
         if self.pipeline is not None:  # a pipeline stage: the last one gets the hidden states, the others None

@@ -51,7 +51,7 @@ class PipelineStage:
         """Step `sched` reached this worker (its reader thread calls this before queueing the step): the tied
         table's stage looks its tokens up at once, beside the step it runs, so that the first stage can start
         it while this one still computes (several steps in flight)."""
-        if self.looks_up and not sched.is_empty:  # (an empty step does not run: ModelRunner.execute_model)
+        if self.looks_up and sched.scheduled_token_ids:  # (an empty step does not run: ModelRunner.execute_model)
             self._fed.append(sched)
             self._lookups.put(sched)
 

@@ -26,6 +26,7 @@ from turbollm.quantization.base import set_kernel_form, set_qmatmul
 from turbollm.quantization.dense_dtype import resolve_dtype, set_dtype
 from turbollm.worker.drafter import Drafter
 from turbollm.worker.kv_allocation import allocate_kv_storage
+from turbollm.worker.kv_connector import make_worker_connector
 from turbollm.worker.malloc_tuning import tune_malloc
 from turbollm.worker.model_runner import ModelRunner
 
@@ -70,12 +71,19 @@ class Worker:
                                   layer_groups=kv_config.layer_groups, group_attention=kv_config.group_attention,
                                   score_rows=kv_config.score_rows, layers=layers,
                                   microbatches=par.pp_microbatches or par.pipeline_parallel_size)
+        # a KV connector (worker/kv_connector.py): its loads and saves before each step's forward pass
+        self.kv_connector = make_worker_connector(config.kv_transfer, self.runner.kv_caches, self.runner.layer_groups)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
         if config.speculative is not None and rank == par.output_rank:
             # (with several ranks on this host the others wait while this one drafts: it takes their cores too)
             self.drafter = Drafter.build(config.speculative, model, self.runner.states, block_size, draft_kv_config,
                                          threads if world > 1 else None)
+
+    def close(self) -> None:
+        """Finish what must outlive the worker (a KV connector's writes)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def footprint(self):
         """What the loaded model holds (plain data, for the engine and the benchmarks)."""
@@ -101,9 +109,12 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        moved = self.kv_connector.execute(sched.kv_transfer) if self.kv_connector and sched.kv_transfer else None
         if self.drafter is not None:
             self.drafter.before_step(sched, self.runner.states)
         out = self.runner.execute_model(sched)
+        if moved is not None:
+            out.kv_loaded, out.kv_stats = moved
         if self.drafter is not None:
             self.drafter.after_step(sched, out, self.runner.states)
         out.worker_seconds = time.perf_counter() - t0

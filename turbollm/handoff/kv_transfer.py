@@ -1,0 +1,140 @@
+"""KV transfer: the connector's config and what its two halves tell each other each step (plain data).
+
+A KV connector moves K/V blocks between this engine and something outside it: a block store that
+outlives the process (`store`), later another instance. It has two halves, as vLLM's
+`KVConnectorBase_V1`: the scheduler side (core/kv_connector.py) says which blocks of a new request's
+prefix the outside holds and which newly full blocks to save; the worker side (worker/kv_connector.py)
+loads and saves them around the forward pass. Their instructions ride in
+`SchedulerOutput.kv_transfer` and the results come back in `ModelRunnerOutput.kv_loaded`.
+
+A block is named by its key: the group's key (a digest of the model's salt and the group's spec:
+checkpoint, quantization, kernel form, dense dtype, K/V dtype, block size, heads, window) followed by
+the prefix-cache hash chained over every token up to the block's end (`core/block_pool.hash_block`).
+Equal keys mean equal K/V; a block from another model, dtype or prefix has another key and is never
+found, and the worker side checks the key written inside the block before using it.
+
+    --kv-transfer-config '{"kv_connector": "store", "kv_role": "kv_both", "kv_store_path": "/var/kv"}'
+    --kv-store-path /var/kv            (the same, shorter)
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from turbollm.errors import InvalidRequestError
+
+#: the connectors (each has a scheduler half in core/kv_connector.py and a worker half in worker/kv_connector.py)
+KV_CONNECTORS = ("store",)
+#: vLLM's roles: a producer saves the blocks it computes, a consumer loads what it finds, both do both
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_STORE_BYTES = 8 << 30
+DEFAULT_STORE_RAM_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str = "kv_both"
+    # store: the folder (shared by every instance that names it), its size cap on disk (least recently
+    # used blocks deleted beyond it) and the worker's in-memory tier in front of it
+    kv_store_path: str | None = None
+    kv_store_max_bytes: int = DEFAULT_STORE_BYTES
+    kv_store_ram_bytes: int = DEFAULT_STORE_RAM_BYTES
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def _nearest(name: str, names) -> str:
+    near = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def parse_kv_transfer_config(value: Any, store_path: str | None = None) -> KVTransferConfig | None:
+    """A `KVTransferConfig` from a dict, its JSON text, a config, or None; `store_path` (`--kv-store-path`)
+    alone means the store connector in role kv_both. Every bad field is named."""
+    if isinstance(value, KVTransferConfig):
+        return value
+    if value is None:
+        return KVTransferConfig("store", kv_store_path=store_path) if store_path else None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"kv_transfer_config: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"kv_transfer_config: expected a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(KVTransferConfig)}
+    for key in value:
+        if key not in known:
+            raise InvalidRequestError(f"kv_transfer_config: unknown field {key!r}{_nearest(key, known)}; "
+                                      f"fields: {', '.join(sorted(known))}")
+    d = dict(value)
+    if store_path is not None:
+        d.setdefault("kv_store_path", store_path)
+    connector = d.get("kv_connector")
+    if connector not in KV_CONNECTORS:
+        raise InvalidRequestError(f"kv_transfer_config: unknown kv_connector {connector!r}"
+                                  f"{_nearest(str(connector), KV_CONNECTORS)}; choose one of {', '.join(KV_CONNECTORS)}")
+    role = d.get("kv_role", "kv_both")
+    if role not in KV_ROLES:
+        raise InvalidRequestError(f"kv_transfer_config: unknown kv_role {role!r}{_nearest(str(role), KV_ROLES)}; "
+                                  f"choose one of {', '.join(KV_ROLES)}")
+    for name in ("kv_store_max_bytes", "kv_store_ram_bytes"):
+        v = d.get(name, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidRequestError(f"kv_transfer_config: {name!r} must be a byte count >= 0, got {v!r}")
+    if connector == "store" and not d.get("kv_store_path"):
+        raise InvalidRequestError("kv_transfer_config: the store connector needs 'kv_store_path' (or --kv-store-path)")
+    return KVTransferConfig(**d)
+
+
+@dataclass(frozen=True)
+class KVBlockRef:
+    """One block of one KV-cache group, and the key its contents are known by."""
+
+    group: int
+    block: int
+    key: bytes
+
+
+@dataclass
+class KVLoad:
+    """Blocks to fill from outside before a sequence runs (the scheduler holds them for it)."""
+
+    seq_id: int
+    blocks: list[KVBlockRef]
+
+
+@dataclass
+class KVTransferMeta:
+    """A step's connector work, done by the worker before the forward pass: saves first (a block saved is full
+    and final, and read before this step writes anything: its loads and copies may reuse a block freed since),
+    then loads."""
+
+    loads: list[KVLoad] = field(default_factory=list)
+    saves: list[KVBlockRef] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+@dataclass
+class KVTransferStats:
+    """What a worker's connector did in one step (summed by the engine into its counters)."""
+
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    blocks_failed: int = 0  # a block missing, short, corrupt or of another key: its sequence recomputes
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    save_seconds: float = 0.0  # copying the blocks out (the files are written behind the steps)
