@@ -34,7 +34,11 @@ EXAMPLES: dict[str, dict] = {
     "a worker process": {"distributed_executor_backend": "mp"},
     "no prefix caching": {"enable_prefix_caching": False},
     "bfloat16 dense weights": {"dtype": "bfloat16"},
-    "a KV connector (kv_transfer_config, kv_store_path)": {"kv_store_path": tempfile.mkdtemp(prefix="turbollm-kvs-")},
+    "a KV connector (kv_transfer_config, kv_store_path)": {"kv_transfer_config": {
+        "kv_connector": "store", "kv_store_path": tempfile.mkdtemp(prefix="turbollm-kvs-")}},
+    "the block store (kv_connector 'store')": {"kv_store_path": tempfile.mkdtemp(prefix="turbollm-kvs-")},
+    "prefill/decode hand-off (kv_connector 'p2p')": {"kv_transfer_config": {
+        "kv_connector": "p2p", "kv_buffer_path": tempfile.mkdtemp(prefix="turbollm-kvp-")}},
 }
 REASONS = [r.reason for r in REFUSALS]
 

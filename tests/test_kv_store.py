@@ -74,7 +74,7 @@ def test_a_block_round_trips_and_every_defect_is_refused(tmp_path):
     with pytest.raises(BlockStoreError, match="another layout"):
         BlockStore(tmp_path, 1 << 20).get(key, [[0, "k", "int8", [16, 2, 8]]])
     for broken, message in ((data[:-40], "short"), (data[:-10] + bytes([data[-10] ^ 1]) + data[-9:], "checksum"),
-                            (b"x" * len(data), "not a block file"), (b"", "short")):
+                            (b"x" * len(data), "not a TLKVBLK1 file"), (b"", "short")):
         path.write_bytes(broken)
         with pytest.raises(BlockStoreError, match=message):
             BlockStore(tmp_path, 1 << 20).get(key, LAYOUT)

@@ -181,6 +181,10 @@ def _spec_method(c: EngineConfig) -> str | None:
     return c.speculative.method if c.speculative is not None else None
 
 
+def _connector(c: EngineConfig) -> str | None:
+    return c.kv_transfer.kv_connector if c.kv_transfer is not None else None
+
+
 def _evicts(c: EngineConfig) -> bool:
     from turbollm.core.kv_policy import get_kv_policy
 
@@ -198,6 +202,8 @@ TECHNIQUES: dict[str, Callable[[EngineConfig], bool]] = {
     "tensor or pipeline parallelism": lambda c: c.parallel.world_size > 1,
     "quantization 'int8'": lambda c: c.model.quantization == "int8",
     "a KV connector (kv_transfer_config, kv_store_path)": lambda c: c.kv_transfer is not None,
+    "the block store (kv_connector 'store')": lambda c: _connector(c) == "store",
+    "prefill/decode hand-off (kv_connector 'p2p')": lambda c: _connector(c) == "p2p",
     "no prefix caching": lambda c: not c.cache.enable_prefix_caching,
 }
 
@@ -226,10 +232,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "not built yet: the drafts would ride the pipeline's steps in flight"),
     Refusal("tensor or pipeline parallelism", "quantization 'int8'",
             "its channel equalization runs a calibration pass that does not run sharded yet; use 'int8-rtn' (or int4)"),
-    Refusal("a KV connector (kv_transfer_config, kv_store_path)", "no prefix caching",
+    Refusal("the block store (kv_connector 'store')", "no prefix caching",
             "blocks are named by their prefix-cache keys"),
     Refusal("a KV connector (kv_transfer_config, kv_store_path)", "an evicting kv_policy (h2o, snapkv)",
-            "an evicted table leaves the prefix cache, whose keys name the blocks"),
+            "an evicted table no longer lists a prompt's blocks by position"),
+    Refusal("prefill/decode hand-off (kv_connector 'p2p')", "quantized K/V (kv_cache_dtype int8 / int4)",
+            "not built yet: a sequence's newest tokens live in its float16 ring, which does not travel yet"),
     Refusal("a KV connector (kv_transfer_config, kv_store_path)", "tensor or pipeline parallelism",
             "not built yet: each rank would move its own shard of every block"),
 )

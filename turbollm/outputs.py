@@ -40,3 +40,6 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # set when the request failed: its outputs finish with "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field of the same name)
+    # a prefill instance's hand-off (a p2p KV connector): where its prompt's K/V wait, and its first token, for the
+    # decode instance's request (`SamplingParams.kv_transfer_params`; vLLM's field)
+    kv_transfer_params: dict | None = None

@@ -35,6 +35,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # added to the logits before sampling, per token id (OpenAI's logit_bias: values in [-100, 100])
     logit_bias: dict[int, float] | None = None
+    # prefill/decode disaggregation (a p2p KV connector, handoff/kv_transfer.py; vLLM's field): {"do_remote_decode":
+    # true} on a prefill instance; on a decode instance, the prefill's returned params and its "first_token"
+    kv_transfer_params: dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +106,8 @@ class SamplingParams:
                     raise bad("logit_bias", f"token ids must be >= 0, got {t}")
                 bias[t] = float(v)
             self.logit_bias = bias or None
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", f"must be a mapping, got {type(self.kv_transfer_params).__name__}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise InvalidRequestError if a token id the request names is outside [0, vocab_size)."""

@@ -10,12 +10,21 @@ Connectors are a registry keyed by `kv_connector` (`SCHEDULER_CONNECTORS`).
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from collections import OrderedDict
 from dataclasses import asdict
+from pathlib import Path
 
-from turbollm.handoff.kv_transfer import KVBlockRef, KVLoad, KVTransferConfig, KVTransferMeta, KVTransferStats
-from turbollm.kv_transfer.block_store import BlockStore, BlockStoreError
+from turbollm.core.sequence import Sequence
 from turbollm.errors import InvalidRequestError
+from turbollm.handoff.kv_transfer import (KVBlockRef, KVLoad, KVRemoteLoad, KVSend, KVTransferConfig, KVTransferMeta,
+                                          KVTransferStats, token_digest)
+from turbollm.kv_transfer.block_store import BlockStore, BlockStoreError
+from turbollm.log import init_logger
+
+logger = init_logger()
 
 KNOWN_KEYS = 1 << 20  # keys remembered as stored (a save skipped for each), least recently seen forgotten
 
@@ -31,6 +40,10 @@ STAT_DOCS = {
     "kv_blocks_saved": "KV blocks handed to the KV connector to save.",
     "kv_bytes_saved": "Bytes of KV blocks handed to the KV connector to save.",
     "kv_save_seconds": "Seconds the workers spent copying KV blocks out to save (files are written behind).",
+    "kv_bundles_sent": "Finished prefills whose K/V were left for a decode instance (p2p).",
+    "kv_bundles_received": "Prompts whose K/V came from a prefill instance (p2p).",
+    "kv_remote_fallbacks": "Requests a decode instance prefilled itself: the bundle missing, late, corrupt or "
+                           "of another model, dtype or prompt (p2p).",
 }
 
 
@@ -41,11 +54,27 @@ class KVConnectorScheduler:
         self.config, self.block_size = config, block_size
         self.loads: list[KVLoad] = []
         self.saves: list[KVBlockRef] = []
+        self.sends: list[KVSend] = []
+        self.remote_loads: list[KVRemoteLoad] = []
         self.stats = dict.fromkeys(STAT_DOCS, 0)
+
+    @property
+    def busy(self) -> bool:
+        """Work for the workers is waiting (the engine runs a step for it even with no request left)."""
+        return bool(self.loads or self.saves or self.sends or self.remote_loads)
+
+    def remote_prefill(self, seq: Sequence) -> tuple[str, int, float] | None:
+        """(bundle, tokens it holds, deadline) when `seq`'s prompt K/V come from a producer; None otherwise."""
+        return None
+
+    def request_finished(self, seq: Sequence) -> None:
+        """`seq` finished (its blocks are still its own): a producer leaves its K/V for a consumer."""
+
+    looks_up_prefixes = False  # whether `lookup` can find prefix blocks (the block store)
 
     def lookup(self, keys: list[bytes]) -> list[bool]:
         """Which of these block keys the outside holds (asked only for blocks the pools miss)."""
-        raise NotImplementedError
+        return [False] * len(keys)
 
     def block_cached(self, group: int, block: int, key: bytes) -> None:
         """A block just became full and entered the prefix cache under `key` (a producer may save it)."""
@@ -58,9 +87,9 @@ class KVConnectorScheduler:
         self.stats["kv_external_hit_tokens"] += tokens
 
     def take_meta(self) -> KVTransferMeta:
-        """The loads and saves gathered since the last step, for the workers."""
-        meta = KVTransferMeta(self.loads, self.saves)
-        self.loads, self.saves = [], []
+        """The loads, saves and sends gathered since the last step, for the workers."""
+        meta = KVTransferMeta(self.loads, self.saves, self.sends, self.remote_loads)
+        self.loads, self.saves, self.sends, self.remote_loads = [], [], [], []
         return meta
 
     def observe(self, stats: KVTransferStats | None, failed_loads: int) -> None:
@@ -73,6 +102,8 @@ class KVConnectorScheduler:
 
 class StoreScheduler(KVConnectorScheduler):
     """The block store's scheduler half: a block is there when its file is (or this engine saved it)."""
+
+    looks_up_prefixes = True
 
     def __init__(self, config: KVTransferConfig, block_size: int):
         super().__init__(config, block_size)
@@ -112,8 +143,59 @@ class StoreScheduler(KVConnectorScheduler):
         self.saves.append(KVBlockRef(group, block, key))
 
 
+class P2PScheduler(KVConnectorScheduler):
+    """Prefill/decode disaggregation. A producer's request asking `do_remote_decode` leaves, when it finishes,
+    its K/V for a consumer: the worker writes them as one bundle into this engine's folder under
+    `kv_buffer_path` (shared memory on one host) at the start of the next step, before anything can reuse the
+    blocks, and the request's output names the bundle (`kv_transfer_params`). A consumer's request carrying
+    those params takes fresh blocks for its prompt and loads them (core/scheduler_kv_transfer.py); a bundle
+    missing past `kv_timeout`, corrupt, or of another model, dtype or prompt makes it prefill itself."""
+
+    def __init__(self, config: KVTransferConfig, block_size: int):
+        super().__init__(config, block_size)
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.folder = Path(config.kv_buffer_path) / self.engine_id
+        if config.saves:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise InvalidRequestError(f"kv_buffer_path {config.kv_buffer_path!r} is not a writable folder: "
+                                          f"{e.strerror or e}") from None
+
+    def request_finished(self, seq: Sequence) -> None:
+        p = seq.params.kv_transfer_params
+        if not (self.config.saves and p and p.get("do_remote_decode")):
+            return
+        if seq.finish_reason not in ("length", "stop") or not seq.block_tables or not seq.num_computed_tokens:
+            return
+        n = seq.num_computed_tokens
+        path = str(self.folder / f"{uuid.uuid4().hex}.kvs")
+        self.sends.append(KVSend(seq.seq_id, path, tuple(list(t) for t in seq.block_tables), n,
+                                 token_digest(seq.token_slice(0, n))))
+        seq.kv_transfer_out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_bundle": path,
+                               "remote_num_tokens": n}
+
+    def remote_prefill(self, seq: Sequence) -> tuple[str, int, float] | None:
+        p = seq.params.kv_transfer_params
+        if not (self.config.loads and p and p.get("do_remote_prefill")):
+            return None
+        path, n = p.get("remote_bundle"), p.get("remote_num_tokens")
+        if not isinstance(path, str) or not isinstance(n, int):
+            logger.warning("kv p2p: request %s: kv_transfer_params without remote_bundle / remote_num_tokens; "
+                           "prefilled here", seq.request_id)
+            return None
+        return path, n, time.time() + self.config.kv_timeout
+
+    def forget_bundle(self, path: str) -> None:
+        """A consumer's bundle that will not be read (its request ended or fell back): drop it."""
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 #: kv_connector -> its scheduler half
-SCHEDULER_CONNECTORS: dict[str, type[KVConnectorScheduler]] = {"store": StoreScheduler}
+SCHEDULER_CONNECTORS: dict[str, type[KVConnectorScheduler]] = {"store": StoreScheduler, "p2p": P2PScheduler}
 
 
 def make_scheduler_connector(config: KVTransferConfig | None, block_size: int) -> KVConnectorScheduler | None:

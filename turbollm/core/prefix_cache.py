@@ -40,7 +40,8 @@ class PrefixCaching:
             return []
         if seq.params.prompt_logprobs is not None:  # needs the logits of every prompt position
             return []
-        ask = self.connector if external and not seq.external_failed else None
+        ask = self.connector if external and not seq.external_failed and self.connector is not None \
+            and self.connector.looks_up_prefixes else None
         max_blocks = (seq.num_tokens - 1) // self.block_size  # at least one token must be computed
         hashes = self._hashes(seq, max_blocks)
         found: list[list[int | None]] = []  # per group, the block of each prefix position (None: missing)
@@ -94,6 +95,31 @@ class PrefixCaching:
         seq.num_cached_blocks = first_load  # the loaded blocks enter the prefix cache once they arrived
         seq.num_computed_tokens = n * self.block_size
         return refs
+
+    def take_remote_prefix(self, seq: Sequence, num_tokens: int) -> list[list[tuple[int, int]]] | None:
+        """Fresh blocks for the first `num_tokens` tokens of a fresh sequence, whose K/V come from a producer (a
+        p2p KV connector): in each group the positions its next token sees (a sliding group's window and sinks,
+        the rest `NULL_BLOCK`). Returns (table position, block) per group; None, with nothing taken, when the
+        pools lack the blocks."""
+        if seq.num_computed_tokens or seq.block_tables:
+            return None
+        bs, nb = self.block_size, -(-num_tokens // self.block_size)
+        used = []
+        for spec in self.specs:
+            first = spec.first_needed_position(num_tokens) // bs if spec is not None else 0
+            keep = spec.kept_blocks() if spec is not None else 0
+            used.append([i for i in range(nb) if i >= first or i < keep])
+        if any(len(u) > pool.num_free for u, pool in zip(used, self.pools)):
+            return None
+        positions = []
+        for pool, table, u in zip(self.pools, self.tables(seq), used):
+            table.extend([NULL_BLOCK] * nb)
+            for i in u:
+                table[i] = pool.allocate()
+            positions.append([(i, table[i]) for i in u])
+        self.holding.add(seq.seq_id)
+        seq.num_computed_tokens = num_tokens
+        return positions
 
     def cache_loaded_blocks(self, refs: list[KVBlockRef]) -> None:
         """Index blocks a KV connector loaded, under the keys they were loaded by (each group's key + hash)."""

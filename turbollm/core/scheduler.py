@@ -132,7 +132,8 @@ class Scheduler(SpeculationPlanning, KVTransferScheduling):
         self.seqs[seq.seq_id] = seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        """Requests to serve, or a KV connector's work for the workers (blocks to save, a bundle to leave)."""
+        return bool(self.waiting or self.running or self.loading) or bool(self.kv.connector and self.kv.connector.busy)
 
     @property
     def num_seq_slots(self) -> int:
@@ -195,7 +196,7 @@ class Scheduler(SpeculationPlanning, KVTransferScheduling):
         """Put running `seq`'s next tokens (and the drafts it verifies) into `step`, preempting newer sequences for
         blocks if need be; False when it must wait for blocks held by steps in flight (the step ends there).
         `num_after`: running sequences after it (a row each, for the drafts' row limit)."""
-        n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+        n = self._chunk(seq, step.budget)
         if n <= 0:
             return True
         if n == 1 and seq.spec_token_ids:
@@ -243,12 +244,11 @@ class Scheduler(SpeculationPlanning, KVTransferScheduling):
         while self.waiting and not step.full \
                 and self.num_seq_slots + self.forking.slots(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
-            loads = self.kv.take_cached_prefix(seq)
-            if loads:  # blocks of its prefix come from outside first (a KV connector)
-                self._park_for_load(seq, loads)
+            # its prefix cache hit; a KV connector's blocks (a prefill instance's, the block store's) load first
+            if self._start_remote_load(seq) or self._take_prefix(seq):
                 continue
             self.kv.release_out_of_window(seq)  # a long cached prefix: its old blocks out of the windows
-            n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            n = self._chunk(seq, step.budget)
             # (a quantized format: the float16 rings of recent tokens, its own and its siblings'-to-be, first)
             if not self.kv.take_rings(seq) or not self.kv.can_allocate(self.kv.blocks_needed(seq, n)):
                 self.kv.free(seq)
@@ -318,6 +318,8 @@ class Scheduler(SpeculationPlanning, KVTransferScheduling):
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted, or failed) sequence and return its blocks."""
+        if self.kv.connector is not None:
+            self.kv.connector.request_finished(seq)  # (a producer leaves its K/V for a consumer)
         self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
         if self.planner is not None:

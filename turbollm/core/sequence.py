@@ -45,8 +45,10 @@ class Sequence:
     detokenizer: object = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks, in order
     num_cached_blocks: int = 0  # leading blocks already indexed in the prefix cache
-    # a KV connector: a load of its prefix's blocks failed (it computes them itself, asking the outside no more)
+    # a KV connector: a load of its prefix's blocks failed (it computes them itself, asking the outside no more);
+    # a producer's hand-off for its consumer (the `kv_transfer_params` of its output)
     external_failed: bool = False
+    kv_transfer_out: dict | None = None
     pending_forks: int = 0  # n > 1: siblings to fork off once the prompt is computed
     end_token_ids: frozenset[int] = frozenset()  # ids that end it: stop_token_ids, plus EOS unless ignore_eos
     # what the workers know of it (the scheduler sends only the difference): whether they have it,

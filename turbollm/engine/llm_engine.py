@@ -51,6 +51,7 @@ from turbollm.errors import InvalidRequestError
 from turbollm.executor import get_executor_class
 from turbollm.executor.torchrun import run_worker
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
+from turbollm.handoff.runner_output import SampledToken
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.kernels.dtypes import dense_dtype_name
 from turbollm.kernels.forms import resolve_form
@@ -116,6 +117,7 @@ class LLMEngine:
         # steps handed to the executor and not yet collected, with when each went (pipeline stages: several)
         self.scheduler.max_steps_in_flight = self.executor.max_steps_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        self._given: dict[str, None] = {}  # requests that finished at a token given with them: output at the next step
         self.step_counts = [0, 0, 0]  # steps collected, sequences and tokens they computed (stats())
         if spec is not None and spec.adaptive:  # the target's step cost by rows, measured now; every step refines it
             self.scheduler.planner = AdaptivePlanner(spec.num_speculative_tokens, ROW_INVARIANT_ROWS)
@@ -204,9 +206,37 @@ class LLMEngine:
             ends |= set(self.tokenizer.eos_token_ids)
         seq = Sequence(self.scheduler.next_seq_id(), request_id, 0, list(ids), params, end_token_ids=frozenset(ends))
         seq.pending_forks = params.n - 1
+        first = self._given_first_token(params)
         self.output_processor.add(RequestState(request_id, text, list(ids), params, [seq], time.monotonic()))
         self.scheduler.add(seq)
+        if first is not None:  # a decode instance's request: the prefill instance's token is its first
+            seq.output_token_ids.append(first.token_id)
+            self.scheduler._check_stop(seq, first.token_id)  # (end tokens, max_tokens: sets the finish reason)
+            self.output_processor.apply_given(seq, first)  # (text, logprobs, stop strings)
+            if seq.finish_reason is not None and not seq.is_finished:
+                self.scheduler.finish(seq)
+            if seq.is_finished:
+                self._given[request_id] = None  # its output comes with the next step
         return request_id
+
+    def _given_first_token(self, params: SamplingParams) -> SampledToken | None:
+        """`kv_transfer_params.first_token` of a decode instance's request (the prefill instance's sample), checked."""
+        first = (params.kv_transfer_params or {}).get("first_token")
+        if first is None:
+            return None
+        try:
+            token = SampledToken(int(first["id"]), float(first.get("logprob", 0.0)), int(first.get("rank", 0)),
+                                 [(int(t), float(lp)) for t, lp in first.get("top", [])])
+        except (KeyError, TypeError, ValueError):
+            raise InvalidRequestError("kv_transfer_params.first_token: expected {\"id\": token id, \"logprob\", "
+                                      "\"rank\", \"top\": [[id, logprob], ...]}") from None
+        if not 0 <= token.token_id < self.config.vocab_size:
+            raise InvalidRequestError(f"kv_transfer_params.first_token: token id {token.token_id} is outside the "
+                                      f"vocabulary [0, {self.config.vocab_size})")
+        if params.n != 1:
+            raise InvalidRequestError("kv_transfer_params.first_token takes n = 1 (each sample draws its own first "
+                                      "token)")
+        return token
 
     def _prompt_ids(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -267,13 +297,13 @@ class LLMEngine:
                 "spec_decode_accepted_per_pos": list(sched.spec_accepted_per_pos)}
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._given)
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Hand out steps until the executor has `max_steps_in_flight` (1, or a pipeline's stages) or nothing
         more can be scheduled, then take the oldest one's output and return what it finished or advanced."""
-        touched: dict[str, None] = {}
+        touched, self._given = self._given, {}
         while len(self._in_flight) < self.executor.max_steps_in_flight:
             sched = self.scheduler.schedule()
             try:

@@ -172,5 +172,24 @@ class OutputProcessor:
         if finished:
             self.requests.pop(req.request_id, None)
         metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time}
+        first = req.seqs[0]
+        handoff = {**first.kv_transfer_out, "first_token": self._first_token(first)} \
+            if finished and first.kv_transfer_out and first.output_token_ids else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, metrics,
-                             error=req.error, num_cached_tokens=req.num_cached_tokens)
+                             error=req.error, num_cached_tokens=req.num_cached_tokens, kv_transfer_params=handoff)
+
+    @staticmethod
+    def _first_token(seq: Sequence) -> dict:
+        """A prefill instance's sampled token, as the decode instance takes it: id, logprob, rank, top k."""
+        t, k = seq.output_token_ids[0], seq.params.logprobs or 0
+        pos = seq.output_logprobs[0] if seq.output_logprobs else {}
+        chosen = pos.get(t)
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in pos.items() if lp.rank is not None and lp.rank <= k)
+        return {"id": t, "logprob": seq.cumulative_logprob, "rank": chosen.rank if chosen is not None else 0,
+                "top": [[tid, lp] for _, tid, lp in top]}
+
+    def apply_given(self, seq: Sequence, token: SampledToken) -> None:
+        """A token sampled elsewhere (a decode instance's first token, sampled by the prefill instance) joins `seq`'s
+        output as if this engine had sampled it: logprobs, text, stop strings (the caller applied the stop rules
+        on token ids)."""
+        self._apply(SeqUpdate(seq, tokens=[token]))

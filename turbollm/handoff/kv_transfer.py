@@ -1,7 +1,9 @@
 """KV transfer: the connector's config and what its two halves tell each other each step (plain data).
 
 A KV connector moves K/V blocks between this engine and something outside it: a block store that
-outlives the process (`store`), later another instance. It has two halves, as vLLM's
+outlives the process (`store`), or another instance (`p2p`: prefill/decode disaggregation — a producer's
+finished request leaves its prompt's K/V in a bundle, and a consumer given the producer's
+`kv_transfer_params` loads it and decodes on from the producer's first token). It has two halves, as vLLM's
 `KVConnectorBase_V1`: the scheduler side (core/kv_connector.py) says which blocks of a new request's
 prefix the outside holds and which newly full blocks to save; the worker side (worker/kv_connector.py)
 loads and saves them around the forward pass. Their instructions ride in
@@ -15,23 +17,32 @@ found, and the worker side checks the key written inside the block before using 
 
     --kv-transfer-config '{"kv_connector": "store", "kv_role": "kv_both", "kv_store_path": "/var/kv"}'
     --kv-store-path /var/kv            (the same, shorter)
+    --kv-transfer-config '{"kv_connector": "p2p", "kv_role": "kv_producer"}'   (prefill instance)
+    --kv-transfer-config '{"kv_connector": "p2p", "kv_role": "kv_consumer"}'   (decode instance)
+
+A request asks for the hand-off in `SamplingParams.kv_transfer_params` (vLLM's names): `{"do_remote_decode":
+true}` on the producer (whose `RequestOutput.kv_transfer_params` then says where the bundle is), and those
+returned params, with `"first_token"`, on the consumer.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from turbollm.errors import InvalidRequestError
 
 #: the connectors (each has a scheduler half in core/kv_connector.py and a worker half in worker/kv_connector.py)
-KV_CONNECTORS = ("store",)
+KV_CONNECTORS = ("store", "p2p")
 #: vLLM's roles: a producer saves the blocks it computes, a consumer loads what it finds, both do both
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_STORE_BYTES = 8 << 30
 DEFAULT_STORE_RAM_BYTES = 256 << 20
+DEFAULT_BUFFER_PATH = "/dev/shm/turbollm-kv"  # p2p on one host: bundles pass through shared memory
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,10 @@ class KVTransferConfig:
     kv_store_path: str | None = None
     kv_store_max_bytes: int = DEFAULT_STORE_BYTES
     kv_store_ram_bytes: int = DEFAULT_STORE_RAM_BYTES
+    # p2p: the folder a producer leaves its bundles in (one host: shared memory), and how long a bundle waits
+    # for its consumer (and a consumer for its bundle) before it is dropped (the consumer then prefills itself)
+    kv_buffer_path: str = DEFAULT_BUFFER_PATH
+    kv_timeout: float = 30.0
 
     @property
     def saves(self) -> bool:
@@ -88,6 +103,9 @@ def parse_kv_transfer_config(value: Any, store_path: str | None = None) -> KVTra
     if role not in KV_ROLES:
         raise InvalidRequestError(f"kv_transfer_config: unknown kv_role {role!r}{_nearest(str(role), KV_ROLES)}; "
                                   f"choose one of {', '.join(KV_ROLES)}")
+    t = d.get("kv_timeout", 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise InvalidRequestError(f"kv_transfer_config: 'kv_timeout' must be a number of seconds > 0, got {t!r}")
     for name in ("kv_store_max_bytes", "kv_store_ram_bytes"):
         v = d.get(name, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -95,6 +113,11 @@ def parse_kv_transfer_config(value: Any, store_path: str | None = None) -> KVTra
     if connector == "store" and not d.get("kv_store_path"):
         raise InvalidRequestError("kv_transfer_config: the store connector needs 'kv_store_path' (or --kv-store-path)")
     return KVTransferConfig(**d)
+
+
+def token_digest(tokens: list[int]) -> str:
+    """What a bundle's tokens are checked by (a consumer with other tokens refuses it)."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -115,16 +138,41 @@ class KVLoad:
 
 
 @dataclass
+class KVSend:
+    """A producer's finished sequence: the K/V of its first `num_tokens` tokens, to leave as one bundle."""
+
+    seq_id: int
+    path: str
+    tables: tuple[list[int], ...]  # its block table per group (NULL_BLOCK: released out of a window)
+    num_tokens: int
+    token_digest: str  # of those tokens: a consumer with other tokens refuses the bundle
+
+
+@dataclass
+class KVRemoteLoad:
+    """A consumer's sequence: its prompt's K/V from a producer's bundle, into the blocks the scheduler took."""
+
+    seq_id: int
+    path: str
+    positions: list[list[tuple[int, int]]]  # per group: (table position, block to fill)
+    num_tokens: int
+    token_digest: str
+    deadline: float  # time.time() after which a bundle still missing fails the load
+
+
+@dataclass
 class KVTransferMeta:
-    """A step's connector work, done by the worker before the forward pass: saves first (a block saved is full
-    and final, and read before this step writes anything: its loads and copies may reuse a block freed since),
-    then loads."""
+    """A step's connector work, done by the worker before the forward pass: saves and sends first (a block
+    saved is full and final, and read before this step writes anything: its loads and copies may reuse a block
+    freed since), then loads."""
 
     loads: list[KVLoad] = field(default_factory=list)
     saves: list[KVBlockRef] = field(default_factory=list)
+    sends: list[KVSend] = field(default_factory=list)
+    remote_loads: list[KVRemoteLoad] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.sends or self.remote_loads)
 
 
 @dataclass
@@ -138,3 +186,5 @@ class KVTransferStats:
     blocks_saved: int = 0
     bytes_saved: int = 0
     save_seconds: float = 0.0  # copying the blocks out (the files are written behind the steps)
+    bundles_sent: int = 0  # p2p
+    bundles_received: int = 0

@@ -1,10 +1,7 @@
 """The block store: K/V blocks in files named by their key, in a folder that outlives the process.
 
-One file per block of one KV-cache group (every layer of the group, scales included):
-
-    b"TLKVBLK1" | header length (u32) | header (JSON: key, layout, payload bytes) | payload | CRC-32 (u32)
-
-The CRC covers the header and the payload. A file is written under a temporary name in its folder and
+One file per block of one KV-cache group (every layer of the group, scales included), in the frame of
+`framing.py` (magic b"TLKVBLK1"; header: the block's key and layout; CRC-32 over header and payload). A file is written under a temporary name in its folder and
 renamed into place (`os.replace`: readers see a whole file or none), so several instances may share one
 folder, and a write cut short by a crash leaves at worst a temporary file (swept at start). `get` checks
 the magic, the lengths, the CRC, and that the key and layout written inside are the ones asked for:
@@ -17,23 +14,17 @@ recently written and read blocks (`ram_bytes`) sits in front of the files.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import time
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 
+from turbollm.kv_transfer.framing import KVFrameError, decode, encode
+
 MAGIC = b"TLKVBLK1"
 SUFFIX = ".kvb"
-_HEAD = struct.Struct("<8sI")
-_CRC = struct.Struct("<I")
 STALE_TMP_SECONDS = 3600
-
-
-class BlockStoreError(Exception):
-    """A stored block that cannot be used (short, corrupt, or written for another key or layout)."""
+BlockStoreError = KVFrameError  # a stored block that cannot be used (short, corrupt, another key or layout)
 
 
 class BlockStore:
@@ -63,9 +54,7 @@ class BlockStore:
     # ---------------------------------------------------------------- write
     @staticmethod
     def encode(key: bytes, layout: list, payload: bytes | memoryview) -> bytes:
-        header = json.dumps({"key": key.hex(), "layout": layout, "payload": len(payload)}).encode()
-        crc = zlib.crc32(payload, zlib.crc32(header))
-        return b"".join((_HEAD.pack(MAGIC, len(header)), header, payload, _CRC.pack(crc)))
+        return encode(MAGIC, {"key": key.hex(), "layout": layout}, payload)
 
     def put(self, key: bytes, layout: list, payload: bytes) -> int:
         """Store a block in memory and in its file; returns the bytes written."""
@@ -118,31 +107,12 @@ class BlockStore:
 
     @staticmethod
     def decode(data: bytes, key: bytes, layout: list, name: str = "block") -> bytes:
-        if len(data) < _HEAD.size + _CRC.size:
-            raise BlockStoreError(f"{name}: short file ({len(data)} bytes)")
-        magic, hlen = _HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise BlockStoreError(f"{name}: not a block file")
-        end = _HEAD.size + hlen
-        if end + _CRC.size > len(data):
-            raise BlockStoreError(f"{name}: short file ({len(data)} bytes)")
-        header_bytes = data[_HEAD.size:end]
-        try:
-            header = json.loads(header_bytes)
-        except ValueError:
-            raise BlockStoreError(f"{name}: corrupt header") from None
-        n = header.get("payload") if isinstance(header, dict) else None
-        if not isinstance(n, int) or end + n + _CRC.size != len(data):
-            raise BlockStoreError(f"{name}: short or overlong file")
-        payload = data[end:end + n]
-        (crc,) = _CRC.unpack_from(data, end + n)
-        if zlib.crc32(payload, zlib.crc32(header_bytes)) != crc:
-            raise BlockStoreError(f"{name}: checksum mismatch")
+        header, payload = decode(data, MAGIC, name)
         if header.get("key") != key.hex():
             raise BlockStoreError(f"{name}: written for another key")
         if header.get("layout") != layout:
             raise BlockStoreError(f"{name}: written for another layout {header.get('layout')} (this engine: {layout})")
-        return payload
+        return bytes(payload)
 
     # ---------------------------------------------------------------- memory tier and cap
     def discard(self, key: bytes) -> None:

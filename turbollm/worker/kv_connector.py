@@ -15,15 +15,23 @@ Connectors are a registry keyed by `kv_connector` (`WORKER_CONNECTORS`).
 from __future__ import annotations
 
 import atexit
+import hashlib
+import os
 import queue
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from turbollm.attention.kv_storage import LayerKVCache
-from turbollm.handoff.kv_transfer import KVBlockRef, KVTransferConfig, KVTransferMeta, KVTransferStats
+from turbollm.handoff.kv_cache_spec import KVCacheConfig
+from turbollm.handoff.kv_transfer import (KVBlockRef, KVRemoteLoad, KVSend, KVTransferConfig, KVTransferMeta,
+                                          KVTransferStats)
+from turbollm.handoff.scheduler_output import NULL_BLOCK
 from turbollm.kv_transfer.block_store import BlockStore, BlockStoreError
+from turbollm.kv_transfer.framing import KVFrameError, decode, encode_parts
 from turbollm.log import init_logger
 
 logger = init_logger()
@@ -33,8 +41,12 @@ _PARTS = ("k", "v", "k_scale", "v_scale")
 class KVConnectorWorker:
     """The worker half every connector has: it knows each group's layers and what one block of them is."""
 
-    def __init__(self, config: KVTransferConfig, kv_caches: list[LayerKVCache | None], layer_groups: list[int]):
-        self.config = config
+    def __init__(self, config: KVTransferConfig, kv_caches: list[LayerKVCache | None], layer_groups: list[int],
+                 kv_config: KVCacheConfig):
+        self.config, self.block_size = config, kv_config.block_size
+        # each group's key: the model's salt and the group's spec (what a block's K/V depend on besides its tokens)
+        self.group_keys = [hashlib.blake2b(kv_config.salt(g), digest_size=8).hexdigest()
+                           for g in range(len(kv_config.groups))]
         self.parts: dict[int, list[torch.Tensor]] = {}  # group -> every storage tensor of its layers, in order
         self.layouts: dict[int, list] = {}  # group -> [layer, part, dtype, shape of one block] of each
         for layer, (cache, g) in enumerate(zip(kv_caches, layer_groups)):
@@ -49,22 +61,34 @@ class KVConnectorWorker:
 
     def block_bytes(self, ref: KVBlockRef) -> bytes:
         """Block `ref.block` of its group, every layer's parts, as one byte string."""
-        return b"".join(t[ref.block].contiguous().view(torch.uint8).numpy().tobytes() for t in self.parts[ref.group])
+        out = np.empty(self.payload_size(ref.group), np.uint8)
+        self.copy_out(ref.group, ref.block, out)
+        return out.tobytes()
 
-    def write_block(self, ref: KVBlockRef, payload: bytes) -> None:
-        """Fill block `ref.block` of its group from `block_bytes`' form (the caller checked its length)."""
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    def copy_out(self, group: int, block: int, out: np.ndarray) -> None:
+        """Block `block` of `group`, every layer's parts in order, into `out` (bytes, `payload_size` long)."""
+        at = 0
+        for t in self.parts[group]:
+            src = t[block].view(-1).view(torch.uint8).numpy()
+            out[at:at + src.size] = src
+            at += src.size
+
+    def write_block(self, ref: KVBlockRef, payload) -> None:
+        """Fill block `ref.block` of its group from `block_bytes`' form (bytes or a memoryview; the caller checked
+        its length)."""
+        src = np.frombuffer(payload, np.uint8)
         at = 0
         for t in self.parts[ref.group]:
-            dst = t[ref.block].view(-1).view(torch.uint8)
-            dst.copy_(src[at:at + dst.numel()])
-            at += dst.numel()
+            dst = t[ref.block].view(-1).view(torch.uint8).numpy()
+            dst[:] = src[at:at + dst.size]
+            at += dst.size
 
     def payload_size(self, group: int) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.parts[group])
 
-    def execute(self, meta: KVTransferMeta) -> tuple[dict[int, bool], KVTransferStats]:
-        """Do a step's saves, then its loads: (seq_id -> whether all its blocks loaded whole, what was moved)."""
+    def execute(self, meta: KVTransferMeta) -> tuple[dict[int, bool], list[int], KVTransferStats]:
+        """Do a step's saves and sends, then its loads: (seq_id -> whether all its blocks loaded whole, the
+        sequences whose blocks are not there yet, what was moved)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -74,15 +98,15 @@ class KVConnectorWorker:
 class StoreWorker(KVConnectorWorker):
     """The block store's worker half: loads from the memory tier or the files, saves through a writer thread."""
 
-    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups):
-        super().__init__(config, kv_caches, layer_groups)
+    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config):
+        super().__init__(config, kv_caches, layer_groups, kv_config)
         self.store = BlockStore(config.kv_store_path, config.kv_store_max_bytes, config.kv_store_ram_bytes)
         self.pending: queue.Queue = queue.Queue()
         self.writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self.writer.start()
         atexit.register(self.close)
 
-    def execute(self, meta: KVTransferMeta) -> tuple[dict[int, bool], KVTransferStats]:
+    def execute(self, meta: KVTransferMeta) -> tuple[dict[int, bool], list[int], KVTransferStats]:
         stats, loaded = KVTransferStats(), {}
         t0 = time.perf_counter()
         for ref in meta.saves:  # copied out now, written behind the steps
@@ -106,7 +130,7 @@ class StoreWorker(KVConnectorWorker):
                     stats.bytes_loaded += len(payload)
             loaded[load.seq_id] = ok
         stats.load_seconds = time.perf_counter() - t1
-        return loaded, stats
+        return loaded, [], stats
 
     def _read(self, ref: KVBlockRef) -> bytes | None:
         try:
@@ -145,9 +169,153 @@ class StoreWorker(KVConnectorWorker):
             self.writer.join()
 
 
+BUNDLE_MAGIC = b"TLKVSEQ1"
+
+
+class P2PWorker(KVConnectorWorker):
+    """Prefill/decode disaggregation's worker half. A send writes one bundle (the frame of
+    kv_transfer/framing.py, magic b"TLKVSEQ1"): the header names the model's group keys, the tokens' digest and
+    count, each group's table positions and layout; the payload is, group by group and layer part by layer part
+    (K, V of each layer), that part's blocks in position order — one gather on the producer and one scatter on
+    the consumer per part. It is written
+    under a temporary name and renamed into place. A remote load reads the bundle (not there yet: the sequence
+    waits another step, until its deadline), checks every field against this engine and the request, copies
+    the blocks it needs into the blocks the scheduler took, and deletes the bundle (the producer's sweep
+    deletes bundles no consumer took within `kv_timeout`)."""
+
+    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config):
+        super().__init__(config, kv_caches, layer_groups, kv_config)
+        # kept from bundle to bundle: a fresh buffer's first touch costs a page fault per 4 KiB, which on a
+        # virtual machine can cost more than the copy itself
+        self.out_buf = np.empty(0, np.uint8)
+        self.in_buf = bytearray()
+
+    def _buffer(self, name: str, n: int):
+        buf = getattr(self, name)
+        if len(buf) < n:
+            setattr(self, name, buf := (np.empty(n, np.uint8) if name == "out_buf" else bytearray(n)))
+        return buf
+
+    def execute(self, meta: KVTransferMeta) -> tuple[dict[int, bool], list[int], KVTransferStats]:
+        stats, loaded = KVTransferStats(), {}
+        t0 = time.perf_counter()
+        for send in meta.sends:
+            stats.bytes_saved += self._send(send)
+            stats.bundles_sent += 1
+        if meta.sends:
+            self._sweep(Path(meta.sends[0].path).parent)
+        t1 = time.perf_counter()
+        stats.save_seconds = t1 - t0
+        waiting = []
+        for load in meta.remote_loads:
+            ok = self._receive(load, stats)
+            if ok is None:
+                waiting.append(load.seq_id)
+            else:
+                loaded[load.seq_id] = ok
+        if waiting and not loaded:  # only waiting: do not spin the engine
+            time.sleep(0.001)
+        stats.load_seconds = time.perf_counter() - t1
+        return loaded, waiting, stats
+
+    def _send(self, send: KVSend) -> int:
+        nb = -(-send.num_tokens // self.block_size)
+        positions = [[i for i in range(min(nb, len(t))) if t[i] != NULL_BLOCK] for t in send.tables]
+        size = sum(len(p) * self.payload_size(g) for g, p in enumerate(positions))
+        buf = self._buffer("out_buf", size)[:size]
+        at = 0
+        for g, pos in enumerate(positions):  # part-major: each layer part's blocks in one gather
+            idx = torch.tensor([send.tables[g][i] for i in pos], dtype=torch.int64)
+            for t in self.parts[g]:
+                n = len(pos) * t[0].numel() * t.element_size()
+                out = torch.from_numpy(buf[at:at + n]).view(t.dtype).view(len(pos), *t.shape[1:])
+                torch.index_select(t, 0, idx, out=out)
+                at += n
+        header = {"model": self.group_keys, "num_tokens": send.num_tokens, "tokens": send.token_digest,
+                  "groups": positions, "layout": [self.layouts[g] for g in range(len(positions))]}
+        parts = encode_parts(BUNDLE_MAGIC, header, memoryview(buf))
+        path = Path(send.path)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            os.replace(tmp, path)
+        except OSError as e:  # the consumer will not find it, and prefills itself
+            logger.warning("kv p2p: writing bundle %s failed: %s", path, e)
+            tmp.unlink(missing_ok=True)
+            return 0
+        return sum(len(p) for p in parts)
+
+    def _receive(self, load: KVRemoteLoad, stats: KVTransferStats) -> bool | None:
+        path = Path(load.path)
+        try:
+            with open(path, "rb") as f:  # (into a writable buffer: the blocks are copied from views of it)
+                n = os.fstat(f.fileno()).st_size
+                data = memoryview(self._buffer("in_buf", n))[:n]
+                f.readinto(data)
+        except FileNotFoundError:
+            if time.time() < load.deadline:
+                return None
+            logger.warning("kv p2p: bundle %s did not arrive within kv_timeout; prefilled here", path.name)
+            return False
+        except OSError as e:
+            logger.warning("kv p2p: bundle %s unreadable (%s); prefilled here", path.name, e)
+            return False
+        try:
+            header, payload = decode(data, BUNDLE_MAGIC, path.name)
+            for field, want in (("model", self.group_keys), ("num_tokens", load.num_tokens),
+                                ("tokens", load.token_digest),
+                                ("layout", [self.layouts[g] for g in range(len(self.group_keys))])):
+                if header.get(field) != want:
+                    raise KVFrameError(f"{path.name}: its {field} is not this engine's or this request's "
+                                       "(another model, dtype, layout or prompt)")
+            src_all = np.frombuffer(payload, np.uint8)
+            at = 0
+            for g, pos in enumerate(load.positions):
+                index = {p: k for k, p in enumerate(header["groups"][g])}
+                missing = [i for i, _ in pos if i not in index]
+                if missing:
+                    raise KVFrameError(f"{path.name}: no block at position {missing[0]} of group {g}")
+                ks = [index[i] for i, _ in pos]
+                dst_idx = torch.tensor([b for _, b in pos], dtype=torch.int64)
+                whole = ks == list(range(len(index)))  # (the usual case: every block it holds, in order)
+                for t in self.parts[g]:
+                    n = len(index) * t[0].numel() * t.element_size()
+                    seg = torch.from_numpy(src_all[at:at + n]).view(t.dtype).view(len(index), *t.shape[1:])
+                    t.index_copy_(0, dst_idx, seg if whole else seg[torch.tensor(ks, dtype=torch.int64)])
+                    at += n
+                stats.blocks_loaded += len(pos)
+        except (KVFrameError, KeyError, TypeError, IndexError, RuntimeError) as e:
+            logger.warning("kv p2p: %s; prefilled here", e)
+            stats.blocks_failed += 1
+            path.unlink(missing_ok=True)
+            return False
+        stats.bytes_loaded += len(data)
+        stats.bundles_received += 1
+        path.unlink(missing_ok=True)  # consumed
+        return True
+
+    def _sweep(self, folder: Path) -> None:
+        """Delete this engine's bundles no consumer took within kv_timeout."""
+        limit = time.time() - self.config.kv_timeout
+        try:
+            for entry in os.scandir(folder):
+                try:
+                    if entry.stat().st_mtime < limit:
+                        os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+        except FileNotFoundError:
+            pass
+
+
 #: kv_connector -> its worker half
-WORKER_CONNECTORS: dict[str, type[KVConnectorWorker]] = {"store": StoreWorker}
+WORKER_CONNECTORS: dict[str, type[KVConnectorWorker]] = {"store": StoreWorker, "p2p": P2PWorker}
 
 
-def make_worker_connector(config: KVTransferConfig | None, kv_caches, layer_groups) -> KVConnectorWorker | None:
-    return WORKER_CONNECTORS[config.kv_connector](config, kv_caches, layer_groups) if config is not None else None
+def make_worker_connector(config: KVTransferConfig | None, kv_caches, layer_groups,
+                          kv_config: KVCacheConfig) -> KVConnectorWorker | None:
+    if config is None:
+        return None
+    return WORKER_CONNECTORS[config.kv_connector](config, kv_caches, layer_groups, kv_config)

@@ -72,7 +72,8 @@ class Worker:
                                   score_rows=kv_config.score_rows, layers=layers,
                                   microbatches=par.pp_microbatches or par.pipeline_parallel_size)
         # a KV connector (worker/kv_connector.py): its loads and saves before each step's forward pass
-        self.kv_connector = make_worker_connector(config.kv_transfer, self.runner.kv_caches, self.runner.layer_groups)
+        self.kv_connector = make_worker_connector(config.kv_transfer, self.runner.kv_caches, self.runner.layer_groups,
+                                                  kv_config)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
         if config.speculative is not None and rank == par.output_rank:
@@ -114,7 +115,7 @@ class Worker:
             self.drafter.before_step(sched, self.runner.states)
         out = self.runner.execute_model(sched)
         if moved is not None:
-            out.kv_loaded, out.kv_stats = moved
+            out.kv_loaded, out.kv_waiting, out.kv_stats = moved
         if self.drafter is not None:
             self.drafter.after_step(sched, out, self.runner.states)
         out.worker_seconds = time.perf_counter() - t0

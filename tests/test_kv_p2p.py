@@ -1,0 +1,213 @@
+"""Prefill/decode hand-off through the p2p KV connector (handoff/kv_transfer.py, core/ and worker/ kv_connector.py,
+core/scheduler_kv_transfer.py): a producer engine prefills and samples the first token, a consumer engine loads the
+prompt's K/V from the producer's bundle and decodes on — the tokens and logprobs equal, bit for bit, one engine's
+doing it all. A bundle that is missing, late, corrupt, or of another dtype or prompt makes the consumer prefill
+itself, with the same output. Tiny random models: no catalog model needed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from quant_tiny import build_tiny
+from turbollm.errors import InvalidRequestError
+
+PROMPTS = [[(7 * i + j) % 200 + 5 for j in range(100 + 37 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return {arch: str(build_tiny(arch, tmp_path_factory.mktemp(arch))) for arch in ("llama", "gemma3")}
+
+
+def _params(max_tokens: int, **kw):
+    from turbollm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2, **kw)
+
+
+def _result(o):
+    return o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs], o.outputs[0].finish_reason
+
+
+def _engine(model: str, role: str | None, buf: Path, timeout: float = 30.0, **kw):
+    from turbollm import LLM
+
+    if role is not None:
+        kw["kv_transfer_config"] = {"kv_connector": "p2p", "kv_role": role, "kv_buffer_path": str(buf),
+                                    "kv_timeout": timeout}
+    return LLM(model, kv_cache_memory=1 << 24, threads=2, **kw)
+
+
+def _single(model: str, prompts, n: int = 6, **kw):
+    llm = _engine(model, None, Path("."), **kw)
+    try:
+        return [_result(o) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _params(n),
+                                                 use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+
+
+def _prefill(producer, prompts):
+    outs = producer.generate([{"prompt_token_ids": p} for p in prompts],
+                             _params(1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    return [o.kv_transfer_params for o in outs]
+
+
+def _decode(consumer, prompts, handoffs, n: int = 6):
+    outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                             [_params(n, kv_transfer_params=h) for h in handoffs], use_tqdm=False)
+    return [_result(o) for o in outs]
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", "float32"), ("llama", "auto"), ("gemma3", "float16")])
+def test_prefill_here_decode_there_equals_one_engine(tiny, tmp_path, arch, kv):
+    model = tiny[arch]
+    want = _single(model, PROMPTS, kv_cache_dtype=kv)
+    producer = _engine(model, "kv_producer", tmp_path, kv_cache_dtype=kv)
+    consumer = _engine(model, "kv_consumer", tmp_path, kv_cache_dtype=kv)
+    try:
+        handoffs = _prefill(producer, PROMPTS)
+        assert all(h["do_remote_prefill"] and h["remote_num_tokens"] == len(p) and h["first_token"]["rank"] >= 1
+                   for h, p in zip(handoffs, PROMPTS))
+        assert _decode(consumer, PROMPTS, handoffs) == want
+        s = consumer.engine.stats()
+        assert s["kv_bundles_received"] == len(PROMPTS) and s["kv_remote_fallbacks"] == 0
+        assert s["prefix_cache_queries"] == 0  # no prompt was prefilled on the consumer
+        assert producer.engine.stats()["kv_bundles_sent"] == len(PROMPTS)
+        assert not list(tmp_path.rglob("*.kvs")) and not list(tmp_path.rglob("*.tmp"))  # consumed
+        # the loaded prompts entered the consumer's own prefix cache: a plain request for one of them hits it
+        consumer.generate([{"prompt_token_ids": PROMPTS[0]}], _params(2), use_tqdm=False)
+        assert consumer.engine.stats()["prefix_cache_hits"] >= len(PROMPTS[0]) // 16 * 16 - 16
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_a_missing_corrupt_or_foreign_bundle_is_prefilled_by_the_consumer(tiny, tmp_path):
+    model = tiny["llama"]
+    want = _single(model, PROMPTS)
+    producer = _engine(model, "kv_producer", tmp_path)
+    consumer = _engine(model, "kv_consumer", tmp_path, timeout=0.3)
+    try:
+        handoffs = _prefill(producer, PROMPTS)
+        missing = dict(handoffs[0], remote_bundle=str(tmp_path / "never-written.kvs"))
+        corrupt = Path(handoffs[1]["remote_bundle"])
+        data = bytearray(corrupt.read_bytes())
+        data[-20] ^= 0xFF
+        corrupt.write_bytes(bytes(data))
+        # prompt 2's bundle for a request with prompt 0's tokens (and prompt 0's first token)
+        other_prompt = dict(handoffs[2], first_token=handoffs[0]["first_token"])
+        t0 = time.monotonic()
+        got = _decode(consumer, [PROMPTS[0], PROMPTS[1]], [missing, handoffs[1]])
+        assert got == want[:2] and time.monotonic() - t0 >= 0.3
+        got = _decode(consumer, [PROMPTS[0]], [dict(other_prompt, remote_num_tokens=len(PROMPTS[0]))])
+        # (prompt 0's first token given, only the K/V of another prompt; prompt 0 is in this engine's prefix cache
+        # by now, and a prefix hit rounds the last bits of the logprobs differently: the tokens are compared)
+        assert got[0][0] == want[0][0]
+        assert consumer.engine.stats()["kv_remote_fallbacks"] == 3
+        # the bad bundles were deleted; the one no consumer asked for waits for the producer's sweep
+        assert [str(p) for p in tmp_path.rglob("*.kvs")] == [handoffs[0]["remote_bundle"]]
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_a_bundle_of_another_kv_dtype_is_refused(tiny, tmp_path):
+    model = tiny["llama"]
+    want = _single(model, PROMPTS[:1], kv_cache_dtype="float16")
+    producer = _engine(model, "kv_producer", tmp_path, kv_cache_dtype="float32")
+    consumer = _engine(model, "kv_consumer", tmp_path, kv_cache_dtype="float16")
+    try:
+        (got,) = _decode(consumer, PROMPTS[:1], _prefill(producer, PROMPTS[:1]))
+        # (the first token and its logprob are the float32 producer's; every later one the consumer's own)
+        assert got[0] == want[0][0] and got[1][1:] == want[0][1][1:]
+        assert consumer.engine.stats()["kv_remote_fallbacks"] == 1
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_the_first_token_alone_can_finish_a_request_and_bad_ones_are_named(tiny, tmp_path):
+    model = tiny["llama"]
+    producer = _engine(model, "kv_producer", tmp_path)
+    consumer = _engine(model, "kv_consumer", tmp_path)
+    try:
+        (h,) = _prefill(producer, PROMPTS[:1])
+        (got,) = _decode(consumer, PROMPTS[:1], [h], n=1)
+        assert got[0] == [h["first_token"]["id"]] and got[2] == "length"
+        for bad, message in (({"id": "x"}, "first_token: expected"), ({"id": 10 ** 9}, "outside the vocabulary")):
+            with pytest.raises(InvalidRequestError, match=message):
+                consumer.engine.add_request({"prompt_token_ids": PROMPTS[0]},
+                                            _params(3, kv_transfer_params=dict(h, first_token=bad)))
+        with pytest.raises(InvalidRequestError, match="takes n = 1"):
+            consumer.engine.add_request({"prompt_token_ids": PROMPTS[0]},
+                                        _params(3, n=2, kv_transfer_params=h))
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_an_aborted_consumer_request_frees_its_blocks_and_the_bundle(tiny, tmp_path):
+    model = tiny["llama"]
+    producer = _engine(model, "kv_producer", tmp_path)
+    consumer = _engine(model, "kv_consumer", tmp_path, timeout=5)
+    try:
+        (h,) = _prefill(producer, PROMPTS[:1])
+        late = dict(h, remote_bundle=str(Path(h["remote_bundle"]).with_name("late.kvs")))
+        engine = consumer.engine
+        engine.add_request({"prompt_token_ids": PROMPTS[0]}, _params(4, kv_transfer_params=late), request_id="r")
+        engine.step()  # takes blocks and waits for the bundle
+        assert engine.stats()["kv_blocks_used"] > 0
+        engine.abort("r")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_the_producer_sweeps_bundles_no_consumer_took(tiny, tmp_path):
+    producer = _engine(tiny["llama"], "kv_producer", tmp_path, timeout=0.2)
+    try:
+        (h,) = _prefill(producer, PROMPTS[:1])
+        old = Path(h["remote_bundle"])
+        assert old.is_file()
+        os.utime(old, (time.time() - 10,) * 2)
+        _prefill(producer, PROMPTS[1:2])  # the next hand-off sweeps
+        assert not old.exists() and len(list(tmp_path.rglob("*.kvs"))) == 1
+    finally:
+        producer.engine.shutdown()
+
+
+def test_p2p_refuses_quantized_kv_and_an_unwritable_buffer(tmp_path):
+    from turbollm.engine_args import EngineArgs
+
+    with pytest.raises(InvalidRequestError, match="float16 ring"):
+        EngineArgs(model="m", kv_cache_dtype="int8",
+                   kv_transfer_config={"kv_connector": "p2p", "kv_buffer_path": str(tmp_path)})
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    from turbollm import LLM
+
+    with pytest.raises(InvalidRequestError, match="kv_buffer_path"):
+        LLM("no-such-model", kv_transfer_config={"kv_connector": "p2p", "kv_role": "kv_producer",
+                                                 "kv_buffer_path": str(blocker / "x")})
+
+
+@pytest.mark.slow  # worker processes
+def test_the_hand_off_between_worker_processes(tiny, tmp_path):
+    model = tiny["llama"]
+    want = _single(model, PROMPTS)
+    producer = _engine(model, "kv_producer", tmp_path, distributed_executor_backend="mp")
+    consumer = _engine(model, "kv_consumer", tmp_path, distributed_executor_backend="mp")
+    try:
+        assert _decode(consumer, PROMPTS, _prefill(producer, PROMPTS)) == want
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
