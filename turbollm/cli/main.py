@@ -11,12 +11,14 @@ from turbollm.cli.config_file import apply_config
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
+from turbollm.cli.proxy_cmd import add_proxy
 from turbollm.cli.quantize_cmd import add_quantize
 from turbollm.cli.recipes_cmd import add_recipes
 from turbollm.cli.serve_cmd import add_serve
 from turbollm.errors import TurboLLMError
 
-COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve, add_quantize, add_recipes]
+COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve, add_proxy, add_quantize,
+            add_recipes]
 
 
 def build_parser() -> argparse.ArgumentParser:

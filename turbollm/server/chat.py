@@ -54,10 +54,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 "logprobs": chat_logprobs(ctx, c.token_ids, c.logprobs, k) if k is not None and c.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                for c in sorted(out.outputs, key=lambda c: c.index)]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                         "choices": choices,
-                         "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs),
-                                        out.num_cached_tokens)})
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)}
+    if out.kv_transfer_params is not None:  # a prefill instance's hand-off (vLLM's field)
+        body["kv_transfer_params"] = out.kv_transfer_params
+    return JSONResponse(body)
 
 
 async def _stream(ctx: ServingContext, slot: Slot, ids: list[int], params, rid: str, created: int, model: str,

@@ -129,8 +129,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
             choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     n_out = 0 if score_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": choices, "usage": usage(sum(len(p.ids) for p in prompts), n_out)})
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(sum(len(p.ids) for p in prompts), n_out)}
+    if len(outs) == 1 and outs[0].kv_transfer_params is not None:  # a prefill instance's hand-off (vLLM's field)
+        body["kv_transfer_params"] = outs[0].kv_transfer_params
+    return JSONResponse(body)
 
 
 @dataclass

@@ -45,6 +45,9 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # prefill/decode disaggregation (vLLM's field; a p2p KV connector): {"do_remote_decode": true} asks a prefill
+    # instance to leave the prompt's K/V for a decode instance; a decode instance takes the params it returned
+    kv_transfer_params: dict | None = None
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]

@@ -118,7 +118,7 @@ class ServingContext:
                                   stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
                                   skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
-                                  logit_bias=req.logit_bias)
+                                  logit_bias=req.logit_bias, kv_transfer_params=req.kv_transfer_params)
         for name in _OPTIONAL:
             v = getattr(req, name)
             if v is not None:
