@@ -8,6 +8,7 @@ with an error event; a proxy started on a URL that does not answer says which fl
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -163,3 +164,76 @@ def test_a_proxy_url_that_does_not_answer_is_named_at_start():
         wait_for_instances({"--decode": [url]}, 1.0)
     with pytest.raises(TurboLLMError, match="not an http"):
         wait_for_instances({"--prefill": ["localhost:8000"]}, 1.0)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_serve_disaggregate_starts_pinned_instances_and_stops_them_all(cluster, tmp_path):
+    model, urls, _, _ = cluster
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("the launcher test needs 2 cores")
+    want = _complete(urls["plain"], model)
+    port = free_port()
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "turbollm", "serve", model, "--disaggregate", "1:1",
+                                     "--kv-cache-memory", "0.02", "--no-webui", "--port", str(port)],
+                                    stdout=log, stderr=subprocess.STDOUT)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the launcher's proxy never answered"
+            time.sleep(0.25)
+        got = _complete(f"http://127.0.0.1:{port}", model)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        children = _children(launcher.pid)
+        roles, cores = [], []
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().split("\0")
+            roles.append(json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_role"])
+            cores.append(os.sched_getaffinity(pid))
+        assert sorted(roles) == ["kv_consumer", "kv_producer"]
+        assert len(cores) == 2 and not cores[0] & cores[1]  # each on its own cores
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 0
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=20)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_disaggregate_refuses_what_it_cannot_split():
+    from turbollm.cli.disaggregate import core_groups, parse_split
+    from turbollm.errors import TurboLLMError
+
+    assert parse_split("1:2") == (1, 2) and core_groups([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+    for bad, message in (("2", "expected P:D"), ("0:1", "at least one")):
+        with pytest.raises(TurboLLMError, match=message):
+            parse_split(bad)
+    with pytest.raises(TurboLLMError, match="need at least 3 cores"):
+        core_groups([0, 1], 3)

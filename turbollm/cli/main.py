@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         ns = apply_config(parser, chosen_parser(parser, ns), ns, argv)  # --recipe / --config, flags still win
+        ns.argv = list(argv) if argv is not None else sys.argv[1:]  # (a launcher passes the flags on)
         return int(ns.func(ns) or 0)
     except TurboLLMError as e:
         print(f"turbollm: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 
 from turbollm.cli.engine_flags import add_engine_flags, engine_args_from
 
@@ -32,6 +33,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-webui", dest="webui", action="store_false",
                    help="do not serve the chat page at / and the dashboard at /dashboard")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="prefill/decode disaggregation on this host: P prefill and D decode instances, each its own "
+                        "process pinned to its own cores, their K/V handed over through shared memory, and "
+                        "`turbollm proxy` on --host/--port in front of them")
     p.set_defaults(func=run_serve)
 
 
@@ -73,6 +78,10 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     if ns.model_name:
         ns.model = ns.model_name
+    if ns.disaggregate:
+        from turbollm.cli.disaggregate import run_disaggregated
+
+        return run_disaggregated(ns, getattr(ns, "argv", None) or sys.argv[1:])
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise SystemExit("turbollm serve: --max-waiting-requests must be >= 0")
     names = list(dict.fromkeys(ns.served_model_name + [ns.model]))  # the first one labels the metrics
