@@ -203,7 +203,6 @@ TECHNIQUES: dict[str, Callable[[EngineConfig], bool]] = {
     "quantization 'int8'": lambda c: c.model.quantization == "int8",
     "a KV connector (kv_transfer_config, kv_store_path)": lambda c: c.kv_transfer is not None,
     "the block store (kv_connector 'store')": lambda c: _connector(c) == "store",
-    "prefill/decode hand-off (kv_connector 'p2p')": lambda c: _connector(c) == "p2p",
     "no prefix caching": lambda c: not c.cache.enable_prefix_caching,
 }
 
@@ -236,8 +235,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "blocks are named by their prefix-cache keys"),
     Refusal("a KV connector (kv_transfer_config, kv_store_path)", "an evicting kv_policy (h2o, snapkv)",
             "an evicted table no longer lists a prompt's blocks by position"),
-    Refusal("prefill/decode hand-off (kv_connector 'p2p')", "quantized K/V (kv_cache_dtype int8 / int4)",
-            "not built yet: a sequence's newest tokens live in its float16 ring, which does not travel yet"),
     Refusal("a KV connector (kv_transfer_config, kv_store_path)", "tensor or pipeline parallelism",
             "not built yet: each rank would move its own shard of every block"),
 )

@@ -1,11 +1,13 @@
-"""A KV connector's scheduler half: which blocks of a new sequence's prefix the outside holds, and which
-newly full blocks to save (the worker half, worker/kv_connector.py, moves the bytes).
+"""A KV connector's scheduler half: which blocks of a new sequence's prefix the outside holds, which newly full
+blocks to save, which finished sequences leave their K/V for another instance and which take theirs from one
+(the worker half, worker/kv_connector.py, moves the bytes).
 
-The KV-cache manager asks `lookup` for the prefix blocks its own pools miss (`take_cached_prefix`) and
-calls `block_cached` for every block it indexes in its prefix cache; the scheduler parks a sequence
-whose blocks are being loaded until the worker says they arrived (core/scheduler_kv_transfer.py), and
-`take_meta` hands the step's loads and saves to the workers in `SchedulerOutput.kv_transfer`.
-Connectors are a registry keyed by `kv_connector` (`SCHEDULER_CONNECTORS`).
+The KV-cache manager asks `lookup` for the prefix blocks its own pools miss (`take_cached_prefix`) and calls
+`block_cached` for every block it indexes in its prefix cache; the scheduler asks `remote_prefill` of every
+sequence it admits and tells `request_finished` of every sequence that ends. It parks a sequence whose blocks
+are being loaded until the worker says they arrived (core/scheduler_kv_transfer.py), and `take_meta` hands
+the step's loads, saves and sends to the workers in `SchedulerOutput.kv_transfer`. Connectors are a registry
+keyed by `kv_connector` (`SCHEDULER_CONNECTORS`): the block store (`store`), prefill/decode hand-off (`p2p`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ STAT_DOCS = {
 class KVConnectorScheduler:
     """The scheduler half every connector has; counters in `stats` (tokens, blocks, bytes, seconds)."""
 
+    looks_up_prefixes = False  # whether `lookup` can find prefix blocks (the block store)
+
     def __init__(self, config: KVTransferConfig, block_size: int):
         self.config, self.block_size = config, block_size
         self.loads: list[KVLoad] = []
@@ -67,10 +71,9 @@ class KVConnectorScheduler:
         """(bundle, tokens it holds, deadline) when `seq`'s prompt K/V come from a producer; None otherwise."""
         return None
 
-    def request_finished(self, seq: Sequence) -> None:
-        """`seq` finished (its blocks are still its own): a producer leaves its K/V for a consumer."""
-
-    looks_up_prefixes = False  # whether `lookup` can find prefix blocks (the block store)
+    def request_finished(self, seq: Sequence, ring_slot: int = -1) -> None:
+        """`seq` finished (its blocks, and a quantized format's ring slot, are still its own): a producer leaves its
+        K/V for a consumer."""
 
     def lookup(self, keys: list[bytes]) -> list[bool]:
         """Which of these block keys the outside holds (asked only for blocks the pools miss)."""
@@ -81,6 +84,9 @@ class KVConnectorScheduler:
 
     def load_failed(self, blocks: list[KVBlockRef]) -> None:
         """A load of these blocks failed: they are recomputed (and a producer saves them again)."""
+
+    def forget_bundle(self, path: str) -> None:
+        """A consumer's bundle that will not be read (its request ended or fell back): drop it."""
 
     def load(self, seq_id: int, blocks: list[KVBlockRef], tokens: int) -> None:
         self.loads.append(KVLoad(seq_id, blocks))
@@ -162,7 +168,7 @@ class P2PScheduler(KVConnectorScheduler):
                 raise InvalidRequestError(f"kv_buffer_path {config.kv_buffer_path!r} is not a writable folder: "
                                           f"{e.strerror or e}") from None
 
-    def request_finished(self, seq: Sequence) -> None:
+    def request_finished(self, seq: Sequence, ring_slot: int = -1) -> None:
         p = seq.params.kv_transfer_params
         if not (self.config.saves and p and p.get("do_remote_decode")):
             return
@@ -171,7 +177,7 @@ class P2PScheduler(KVConnectorScheduler):
         n = seq.num_computed_tokens
         path = str(self.folder / f"{uuid.uuid4().hex}.kvs")
         self.sends.append(KVSend(seq.seq_id, path, tuple(list(t) for t in seq.block_tables), n,
-                                 token_digest(seq.token_slice(0, n))))
+                                 token_digest(seq.token_slice(0, n)), ring_slot))
         seq.kv_transfer_out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_bundle": path,
                                "remote_num_tokens": n}
 

@@ -319,7 +319,7 @@ class Scheduler(SpeculationPlanning, KVTransferScheduling):
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted, or failed) sequence and return its blocks."""
         if self.kv.connector is not None:
-            self.kv.connector.request_finished(seq)  # (a producer leaves its K/V for a consumer)
+            self.kv.connector.request_finished(seq, self.kv.ring_of.get(seq.seq_id, -1))  # (a producer's hand-off)
         self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
         if self.planner is not None:

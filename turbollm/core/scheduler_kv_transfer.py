@@ -46,10 +46,15 @@ class KVTransferScheduling:
         positions = self.kv.take_remote_prefix(seq, n)
         if positions is None:
             return False
+        if not self.kv.take_rings(seq):  # (a quantized format: the ring of recent tokens travels too)
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            return False
         self.waiting.popleft()
         self.loading[seq.seq_id] = (seq, None)
         self._remote[seq.seq_id] = load = KVRemoteLoad(seq.seq_id, path, positions, n,
-                                                       token_digest(seq.token_slice(0, n)), deadline)
+                                                       token_digest(seq.token_slice(0, n)), deadline,
+                                                       self.kv.ring_of.get(seq.seq_id, -1))
         conn.remote_loads.append(load)
         return True
 

@@ -146,6 +146,7 @@ class KVSend:
     tables: tuple[list[int], ...]  # its block table per group (NULL_BLOCK: released out of a window)
     num_tokens: int
     token_digest: str  # of those tokens: a consumer with other tokens refuses the bundle
+    ring_slot: int = -1  # a quantized format: its float16 ring of recent tokens, which travels too
 
 
 @dataclass
@@ -158,6 +159,7 @@ class KVRemoteLoad:
     num_tokens: int
     token_digest: str
     deadline: float  # time.time() after which a bundle still missing fails the load
+    ring_slot: int = -1  # a quantized format: the ring slot the scheduler took for it, filled from the bundle
 
 
 @dataclass

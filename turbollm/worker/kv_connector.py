@@ -42,8 +42,9 @@ class KVConnectorWorker:
     """The worker half every connector has: it knows each group's layers and what one block of them is."""
 
     def __init__(self, config: KVTransferConfig, kv_caches: list[LayerKVCache | None], layer_groups: list[int],
-                 kv_config: KVCacheConfig):
+                 kv_config: KVCacheConfig, runner=None):
         self.config, self.block_size = config, kv_config.block_size
+        self.runner = runner  # the model runner: its sequences' ring bounds (a quantized format's hand-off)
         # each group's key: the model's salt and the group's spec (what a block's K/V depend on besides its tokens)
         self.group_keys = [hashlib.blake2b(kv_config.salt(g), digest_size=8).hexdigest()
                            for g in range(len(kv_config.groups))]
@@ -98,8 +99,8 @@ class KVConnectorWorker:
 class StoreWorker(KVConnectorWorker):
     """The block store's worker half: loads from the memory tier or the files, saves through a writer thread."""
 
-    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config):
-        super().__init__(config, kv_caches, layer_groups, kv_config)
+    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config, runner=None):
+        super().__init__(config, kv_caches, layer_groups, kv_config, runner)
         self.store = BlockStore(config.kv_store_path, config.kv_store_max_bytes, config.kv_store_ram_bytes)
         self.pending: queue.Queue = queue.Queue()
         self.writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
@@ -183,8 +184,12 @@ class P2PWorker(KVConnectorWorker):
     the blocks it needs into the blocks the scheduler took, and deletes the bundle (the producer's sweep
     deletes bundles no consumer took within `kv_timeout`)."""
 
-    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config):
-        super().__init__(config, kv_caches, layer_groups, kv_config)
+    def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config, runner=None):
+        super().__init__(config, kv_caches, layer_groups, kv_config, runner)
+        # a quantized format's rings (float16 blocks of each sequence's newest tokens, a view of the pool), per layer
+        self.rings = [(layer, c) for layer, c in enumerate(kv_caches) if c is not None and c.k_recent is not None]
+        self.ring_layout = [[layer, str(c.k_recent.dtype).removeprefix("torch."), c.layout.ring_blocks,
+                             list(c.k_recent.shape[1:])] for layer, c in self.rings]
         # kept from bundle to bundle: a fresh buffer's first touch costs a page fault per 4 KiB, which on a
         # virtual machine can cost more than the copy itself
         self.out_buf = np.empty(0, np.uint8)
@@ -218,10 +223,16 @@ class P2PWorker(KVConnectorWorker):
         stats.load_seconds = time.perf_counter() - t1
         return loaded, waiting, stats
 
+    def _ring_size(self) -> int:
+        """Bytes of one ring slot in every layer (K and V)."""
+        return sum(c.layout.ring_blocks * (t[0].numel() * t.element_size()) for _, c in self.rings
+                   for t in (c.k_recent, c.v_recent))
+
     def _send(self, send: KVSend) -> int:
         nb = -(-send.num_tokens // self.block_size)
         positions = [[i for i in range(min(nb, len(t))) if t[i] != NULL_BLOCK] for t in send.tables]
-        size = sum(len(p) * self.payload_size(g) for g, p in enumerate(positions))
+        ring = self._ring_size() if send.ring_slot >= 0 else 0
+        size = sum(len(p) * self.payload_size(g) for g, p in enumerate(positions)) + ring
         buf = self._buffer("out_buf", size)[:size]
         at = 0
         for g, pos in enumerate(positions):  # part-major: each layer part's blocks in one gather
@@ -233,6 +244,15 @@ class P2PWorker(KVConnectorWorker):
                 at += n
         header = {"model": self.group_keys, "num_tokens": send.num_tokens, "tokens": send.token_digest,
                   "groups": positions, "layout": [self.layouts[g] for g in range(len(positions))]}
+        if ring:  # the newest tokens, in float16, and where the quantized blocks end
+            st = self.runner.states[send.seq_id]
+            for _, c in self.rings:
+                for t in (c.k_recent, c.v_recent):
+                    n = c.layout.ring_blocks * t[0].numel() * t.element_size()
+                    m = c.layout.ring_blocks
+                    buf[at:at + n] = t[send.ring_slot * m:(send.ring_slot + 1) * m].reshape(-1).view(torch.uint8).numpy()
+                    at += n
+            header["ring"] = {"layout": self.ring_layout, "kv_qlo": st.kv_qlo, "ring_floor": st.ring_floor}
         parts = encode_parts(BUNDLE_MAGIC, header, memoryview(buf))
         path = Path(send.path)
         tmp = path.with_name(path.name + ".tmp")
@@ -286,6 +306,18 @@ class P2PWorker(KVConnectorWorker):
                     t.index_copy_(0, dst_idx, seg if whole else seg[torch.tensor(ks, dtype=torch.int64)])
                     at += n
                 stats.blocks_loaded += len(pos)
+            ring = header.get("ring")
+            if (ring is not None) != (load.ring_slot >= 0) or ring is not None and ring["layout"] != self.ring_layout:
+                raise KVFrameError(f"{path.name}: its ring of recent tokens is not this engine's")
+            if ring is not None:
+                for _, c in self.rings:
+                    m = c.layout.ring_blocks
+                    for t in (c.k_recent, c.v_recent):
+                        n = m * t[0].numel() * t.element_size()
+                        seg = torch.from_numpy(src_all[at:at + n]).view(t.dtype).view(m, *t.shape[1:])
+                        t[load.ring_slot * m:(load.ring_slot + 1) * m] = seg
+                        at += n
+                self.runner.given_rings[load.seq_id] = (int(ring["kv_qlo"]), int(ring["ring_floor"]))
         except (KVFrameError, KeyError, TypeError, IndexError, RuntimeError) as e:
             logger.warning("kv p2p: %s; prefilled here", e)
             stats.blocks_failed += 1
@@ -314,8 +346,8 @@ class P2PWorker(KVConnectorWorker):
 WORKER_CONNECTORS: dict[str, type[KVConnectorWorker]] = {"store": StoreWorker, "p2p": P2PWorker}
 
 
-def make_worker_connector(config: KVTransferConfig | None, kv_caches, layer_groups,
-                          kv_config: KVCacheConfig) -> KVConnectorWorker | None:
+def make_worker_connector(config: KVTransferConfig | None, kv_caches, layer_groups, kv_config: KVCacheConfig,
+                          runner=None) -> KVConnectorWorker | None:
     if config is None:
         return None
-    return WORKER_CONNECTORS[config.kv_connector](config, kv_caches, layer_groups, kv_config)
+    return WORKER_CONNECTORS[config.kv_connector](config, kv_caches, layer_groups, kv_config, runner)

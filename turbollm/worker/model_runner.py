@@ -90,6 +90,9 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         quantized = any(c.layout.quant for c in kv_caches if c is not None)  # int8 / int4 K/V: each sequence's float16 ring
         self.rings = RecentRings(kv_caches, self.layer_groups) if quantized else None
+        # seq_id -> (kv_qlo, ring_floor) of a sequence whose ring a KV connector filled (a decode instance's: its
+        # ring came with the prompt's K/V), applied when the sequence arrives
+        self.given_rings: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ state from the diffs
     def update_states(self, sched: SchedulerOutput) -> None:
@@ -108,6 +111,8 @@ class ModelRunner:
             self.states[new.seq_id] = st = self._new_state(new)
             if self.rings is not None:
                 self.rings.take(st, new.ring_slot)
+                if new.seq_id in self.given_rings:
+                    st.kv_qlo, st.ring_floor = self.given_rings.pop(new.seq_id)
         for c in sched.cached_reqs:
             st = self.states[c.seq_id]
             if c.evicted_positions:  # before the new blocks: positions in the table as it was

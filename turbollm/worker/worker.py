@@ -73,7 +73,7 @@ class Worker:
                                   microbatches=par.pp_microbatches or par.pipeline_parallel_size)
         # a KV connector (worker/kv_connector.py): its loads and saves before each step's forward pass
         self.kv_connector = make_worker_connector(config.kv_transfer, self.runner.kv_caches, self.runner.layer_groups,
-                                                  kv_config)
+                                                  kv_config, self.runner)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
         if config.speculative is not None and rank == par.output_rank:

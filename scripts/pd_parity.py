@@ -1,0 +1,100 @@
+"""Greedy parity of prefill/decode disaggregation through the proxy against one instance (issue 48, first line).
+
+    python scripts/pd_parity.py [--models smollm2-135m gemma3-270m] [--kv float16 int8] [--count 32]
+
+For each model and K/V dtype it serves the model alone (`turbollm serve`, 2 threads), sends HumanEval problems
+0..count-1 as completions (greedy, 64 tokens, logprobs 1), one at a time, and keeps each answer's text and token
+list; then the same through `turbollm serve --disaggregate 1:1` (a prefill and a decode instance, one core each,
+and the proxy); then the prompts a second time through the proxy. It prints, per setting, how many answers are
+equal token for token (and in text), the first difference if any, and the decode instance's hand-off counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _start(args: list[str], port: int) -> subprocess.Popen:
+    from turbollm.cli.proxy_cmd import wait_for_instances
+
+    proc = subprocess.Popen([sys.executable, "-m", "turbollm", "serve", *args, "--port", str(port), "--no-webui",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_instances({"serve": [f"http://127.0.0.1:{port}"]}, 900)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _answers(port: int, model: str, prompts: list[str]) -> list[tuple[str, list[str]]]:
+    out = []
+    for p in prompts:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json={
+            "model": model, "prompt": p, "max_tokens": 64, "temperature": 0, "logprobs": 1})
+        r.raise_for_status()
+        c = r.json()["choices"][0]
+        out.append((c["text"], c["logprobs"]["tokens"]))
+    return out
+
+
+def _metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
+
+
+def main() -> None:
+    from turbollm.benchmarks.spec_bench import humaneval_prompts
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--kv", nargs="+", default=["float16", "int8"])
+    ap.add_argument("--count", type=int, default=32)
+    ns = ap.parse_args()
+    prompts = humaneval_prompts("humaneval", None, ns.count)
+    print(f"setting: HumanEval 0..{ns.count - 1}, greedy, 64 tokens, one request at a time; one instance (2 threads) "
+          f"against --disaggregate 1:1 (one core each) through the proxy, twice")
+    for model in ns.models:
+        for kv in ns.kv:
+            flags = [model, "--kv-cache-dtype", kv]
+            single = _start(flags, 8201)
+            try:
+                want = _answers(8201, model, prompts)
+            finally:
+                _stop(single)
+            pd = _start(flags + ["--disaggregate", "1:1"], 8202)
+            try:
+                rounds = [_answers(8202, model, prompts) for _ in range(2)]
+                fallbacks = _metric(8202, "turbollm_proxy:prefill_fallbacks_total")
+                remote = _metric(8202, "turbollm_proxy:prefilled_remotely_total")
+            finally:
+                _stop(pd)
+            for r, got in enumerate(rounds):
+                tok = sum(g[1] == w[1] for g, w in zip(got, want))
+                text = sum(g[0] == w[0] for g, w in zip(got, want))
+                first = next((i for i, (g, w) in enumerate(zip(got, want)) if g[1] != w[1]), None)
+                where = "" if first is None else f"; first difference: problem {first}, token " \
+                    f"{next(j for j, (a, b) in enumerate(zip(got[first][1] + [None], want[first][1] + [None])) if a != b)}"
+                print(f"{model} K/V {kv} round {r + 1}: tokens equal {tok}/{len(prompts)}, text equal "
+                      f"{text}/{len(prompts)}{where}")
+            print(f"{model} K/V {kv}: prefilled on the prefill instance {remote:.0f}, fallbacks {fallbacks:.0f}")
+
+
+if __name__ == "__main__":
+    main()
