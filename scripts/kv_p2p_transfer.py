@@ -1,13 +1,15 @@
 """Prefill/decode hand-off on one host: what moving a prompt's K/V through shared memory costs (issue 48).
 
-    python scripts/kv_p2p_transfer.py [--model qwen2.5-coder-0.5b] [--prompt 2048] [--repeats 3]
+    python scripts/kv_p2p_transfer.py [--model qwen2.5-coder-0.5b] [--prompt 2048] [--repeats 3] [--over shm|http]
 
 A producer engine (kv_role kv_producer) prefills a `--prompt`-token WikiText-2 prompt and samples its first token;
 a consumer engine (kv_consumer) in the same process loads the bundle from /dev/shm and decodes 8 more tokens.
 It prints, per repeat, the bundle's bytes, the producer's send (blocks copied out, the file written) and the
 consumer's load (file read, CRC-32, blocks copied in) in ms and GB/s, the hand-off's rate (bytes over send +
 load), and beside them this machine's memcpy rate on the same bytes (numpy, best of 5) — and whether the
-consumer's tokens equal one engine's.
+consumer's tokens equal one engine's. `--over http`: the producer is a `turbollm serve` process of its own and
+the consumer's buffer folder another one, as on another host: the consumer's worker fetches each bundle from
+the producer's server over loopback TCP (the load then includes the HTTP GET).
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="each engine's KV budget (small: the pool's pages are reused from repeat to repeat)")
+    ap.add_argument("--over", choices=["shm", "http"], default="shm")
     ns = ap.parse_args()
+    if ns.over == "http":
+        return over_http(ns)
     from turbollm import LLM, SamplingParams
 
     buf = tempfile.mkdtemp(prefix="turbollm-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -77,6 +82,59 @@ def main() -> None:
               f"tokens equal one engine's: {list(dout.outputs[0].token_ids) == list(sout.outputs[0].token_ids)}")
     for llm in (producer, consumer, single):
         llm.engine.shutdown()
+
+
+def over_http(ns) -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from turbollm import LLM, SamplingParams
+    from turbollm.cli.proxy_cmd import wait_for_instances
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    here, there = tempfile.mkdtemp(prefix="turbollm-kv-", dir=shm), tempfile.mkdtemp(prefix="turbollm-kv-", dir=shm)
+    port = 8301
+    gib = ["--kv-cache-memory", str(ns.kv_cache_gib)] if ns.kv_cache_gib else []
+    server = subprocess.Popen([sys.executable, "-m", "turbollm", "serve", ns.model, "--port", str(port), "--threads",
+                               str(ns.threads), "--no-webui", "--log-level", "warning", *gib, "--kv-transfer-config",
+                               json.dumps({"kv_connector": "p2p", "kv_role": "kv_producer", "kv_buffer_path": there})],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_instances({"producer": [url]}, 900)
+        kw = {"threads": ns.threads, "kv_cache_memory": int(ns.kv_cache_gib * 2**30) if ns.kv_cache_gib else None}
+        consumer = LLM(ns.model, kv_transfer_config={"kv_connector": "p2p", "kv_role": "kv_consumer",
+                                                     "kv_buffer_path": here}, **kw)
+        ids = consumer.get_tokenizer().encode(DATA.read_text()[:ns.prompt * 8])
+        print(f"setting: model={ns.model} prompt={ns.prompt} tokens, threads={ns.threads}; producer `turbollm serve` "
+              f"at {url} (bundles in {there}), consumer in this process (buffer {here}): each bundle over loopback "
+              "TCP")
+        for r in range(ns.repeats):
+            prompt = ids[r:r + ns.prompt]
+            t0 = time.perf_counter()
+            ans = httpx.post(url + "/v1/completions", timeout=600, json={
+                "model": ns.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True}}).json()
+            prefill = time.perf_counter() - t0
+            handoff = {**ans["kv_transfer_params"], "remote_url": url}
+            c0 = consumer.engine.stats()
+            (dout,) = consumer.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                max_tokens=9, temperature=0, ignore_eos=True, kv_transfer_params=handoff), use_tqdm=False)
+            c1 = consumer.engine.stats()
+            nbytes = c1["kv_bytes_loaded"] - c0["kv_bytes_loaded"]
+            load = c1["kv_load_seconds"] - c0["kv_load_seconds"]
+            print(f"repeat {r}: prefill answer {1000 * prefill:.0f} ms; bundle {nbytes / 2**20:.1f} MiB loaded in "
+                  f"{1000 * load:.1f} ms ({nbytes / load / 1e9 if load else 0:.2f} GB/s: GET over loopback, CRC, "
+                  f"copies); fell back: {c1['kv_remote_fallbacks'] - c0['kv_remote_fallbacks']}; memcpy on the same "
+                  f"bytes {memcpy_gbs(nbytes):.2f} GB/s")
+        consumer.engine.shutdown()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """`turbollm proxy` over real `turbollm serve` processes: a prefill instance (p2p kv_producer), a decode instance
-(kv_consumer) and, beside them, one plain instance as the reference. Greedy completions and chats through the
+(kv_consumer, its hand-offs over HTTP as from another host) and, beside them, one plain instance as the reference. Greedy completions and chats through the
 proxy — streamed or not, with logprobs — equal the plain instance's; a prefill instance that dies leaves the
 requests to the decode instance (counted, same output); a decode instance that dies mid-stream ends the stream
 with an error event; a proxy started on a URL that does not answer says which flag. No process is left behind.
@@ -34,8 +34,10 @@ def cluster(tmp_path_factory):
     common = [model, "--threads", "1", "--kv-cache-memory", "0.02", "--no-webui"]
     procs, urls = {}, {}
     try:
-        for name, extra in (("prefill", _p2p("kv_producer", root / "buf")), ("decode", _p2p("kv_consumer", root / "buf")),
-                            ("plain", [])):
+        # (the decode instance's buffer folder is not the prefill instance's, as on another host: its worker fetches
+        # each bundle from the prefill instance's server, GET /kv_transfer/...)
+        for name, extra in (("prefill", _p2p("kv_producer", root / "buf")),
+                            ("decode", _p2p("kv_consumer", root / "other-host")), ("plain", [])):
             port = free_port()
             procs[name] = serve_process(common + extra, port, root / f"{name}.log")
             urls[name] = f"http://127.0.0.1:{port}"
@@ -102,6 +104,7 @@ def test_completions_and_chat_through_the_proxy_equal_one_instance(cluster):
     assert stop["choices"][0] == _complete(urls["plain"], model, stop=[want["choices"][0]["text"][3:6]])["choices"][0]
     assert _metric(urls["proxy"], "turbollm_proxy:prefilled_remotely_total") >= 4
     assert _metric(urls["decode"], "turbollm:kv_bundles_received_total") >= 4
+    assert _metric(urls["decode"], "turbollm:kv_remote_fallbacks_total") == 0
     assert _metric(urls["proxy"], "turbollm_proxy:prefill_fallbacks_total") == 0
 
 

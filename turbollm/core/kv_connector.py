@@ -67,8 +67,9 @@ class KVConnectorScheduler:
         """Work for the workers is waiting (the engine runs a step for it even with no request left)."""
         return bool(self.loads or self.saves or self.sends or self.remote_loads)
 
-    def remote_prefill(self, seq: Sequence) -> tuple[str, int, float] | None:
-        """(bundle, tokens it holds, deadline) when `seq`'s prompt K/V come from a producer; None otherwise."""
+    def remote_prefill(self, seq: Sequence) -> tuple[str, int, float, str | None] | None:
+        """(bundle, tokens it holds, deadline, the producer's server) when `seq`'s prompt K/V come from a producer;
+        None otherwise."""
         return None
 
     def request_finished(self, seq: Sequence, ring_slot: int = -1) -> None:
@@ -181,7 +182,7 @@ class P2PScheduler(KVConnectorScheduler):
         seq.kv_transfer_out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_bundle": path,
                                "remote_num_tokens": n}
 
-    def remote_prefill(self, seq: Sequence) -> tuple[str, int, float] | None:
+    def remote_prefill(self, seq: Sequence) -> tuple[str, int, float, str | None] | None:
         p = seq.params.kv_transfer_params
         if not (self.config.loads and p and p.get("do_remote_prefill")):
             return None
@@ -190,7 +191,8 @@ class P2PScheduler(KVConnectorScheduler):
             logger.warning("kv p2p: request %s: kv_transfer_params without remote_bundle / remote_num_tokens; "
                            "prefilled here", seq.request_id)
             return None
-        return path, n, time.time() + self.config.kv_timeout
+        url = p.get("remote_url")
+        return path, n, time.time() + self.config.kv_timeout, url if isinstance(url, str) else None
 
     def forget_bundle(self, path: str) -> None:
         """A consumer's bundle that will not be read (its request ended or fell back): drop it."""

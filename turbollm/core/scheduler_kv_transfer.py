@@ -37,7 +37,7 @@ class KVTransferScheduling:
         remote = conn.remote_prefill(seq) if conn is not None and not seq.external_failed else None
         if remote is None:
             return False
-        path, n, deadline = remote
+        path, n, deadline, url = remote
         if n != seq.num_prompt_tokens:
             logger.warning("kv p2p: request %s: the bundle holds %d tokens, the prompt has %d; prefilled here",
                            seq.request_id, n, seq.num_prompt_tokens)
@@ -54,7 +54,7 @@ class KVTransferScheduling:
         self.loading[seq.seq_id] = (seq, None)
         self._remote[seq.seq_id] = load = KVRemoteLoad(seq.seq_id, path, positions, n,
                                                        token_digest(seq.token_slice(0, n)), deadline,
-                                                       self.kv.ring_of.get(seq.seq_id, -1))
+                                                       self.kv.ring_of.get(seq.seq_id, -1), url)
         conn.remote_loads.append(load)
         return True
 

@@ -160,6 +160,7 @@ class KVRemoteLoad:
     token_digest: str
     deadline: float  # time.time() after which a bundle still missing fails the load
     ring_slot: int = -1  # a quantized format: the ring slot the scheduler took for it, filled from the bundle
+    url: str | None = None  # the producer's server, asked for the bundle when `path` is not on this host
 
 
 @dataclass

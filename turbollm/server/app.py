@@ -25,6 +25,7 @@ from turbollm.sampling_params import SamplingParams
 from turbollm.server.chat import create_chat_completion
 from turbollm.server.completions import create_completion
 from turbollm.server.dashboard import Dashboard
+from turbollm.server.kv_bundles import add_bundle_route
 from turbollm.server.errors import (APIError, bad_request, error_body, error_responses, install_error_handlers,
                                     use_error_schemas)
 from turbollm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -151,6 +152,8 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         return {"status": "ok"}
+
+    add_bundle_route(app, engine.engine)  # a prefill instance's hand-off, for a decode instance on another host
 
     @app.get("/version")
     async def version():

@@ -136,6 +136,8 @@ def build_proxy_app(prefill: list[str], decode: list[str], prefill_timeout: floa
         if 400 <= r.status_code < 500:
             return None, JSONResponse(r.json(), status_code=r.status_code)
         handoff = r.json().get("kv_transfer_params") if r.status_code == 200 else None
+        if handoff is not None:  # (a decode instance on another host fetches the bundle from there)
+            handoff = {**handoff, "remote_url": inst.url}
         if handoff is None:
             prefillers.down(inst, f"HTTP {r.status_code}" if r.status_code != 200 else "no kv_transfer_params "
                                   "in its answer (is it started with a p2p kv_producer?)")

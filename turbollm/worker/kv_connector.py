@@ -275,12 +275,14 @@ class P2PWorker(KVConnectorWorker):
                 data = memoryview(self._buffer("in_buf", n))[:n]
                 f.readinto(data)
         except FileNotFoundError:
-            if time.time() < load.deadline:
+            data = self._fetch(load) if load.url else None  # another host: from the producer's server
+            if data is None and time.time() < load.deadline:
                 return None
-            logger.warning("kv p2p: bundle %s did not arrive within kv_timeout; prefilled here", path.name)
-            return False
         except OSError as e:
             logger.warning("kv p2p: bundle %s unreadable (%s); prefilled here", path.name, e)
+            return False
+        if data is None:
+            logger.warning("kv p2p: bundle %s did not arrive within kv_timeout; prefilled here", path.name)
             return False
         try:
             header, payload = decode(data, BUNDLE_MAGIC, path.name)
@@ -327,6 +329,25 @@ class P2PWorker(KVConnectorWorker):
         stats.bundles_received += 1
         path.unlink(missing_ok=True)  # consumed
         return True
+
+    def _fetch(self, load: KVRemoteLoad) -> memoryview | None:
+        """The bundle from the producer's server over HTTP (GET /kv_transfer/ENGINE/NAME, which deletes it there);
+        None while it is not there (404) or the server cannot be reached."""
+        import httpx
+
+        path = Path(load.path)
+        url = f"{load.url.rstrip('/')}/kv_transfer/{path.parent.name}/{path.name}"
+        try:
+            r = httpx.get(url, timeout=min(10.0, max(1.0, load.deadline - time.time())))
+        except httpx.HTTPError as e:
+            logger.warning("kv p2p: fetching %s: %s", url, type(e).__name__)
+            return None
+        if r.status_code != 200:
+            return None
+        n = len(r.content)
+        buf = self._buffer("in_buf", n)
+        buf[:n] = r.content
+        return memoryview(buf)[:n]
 
     def _sweep(self, folder: Path) -> None:
         """Delete this engine's bundles no consumer took within kv_timeout."""
