@@ -4,14 +4,16 @@
 
 For each model and K/V dtype it serves the model alone (`turbollm serve`, 2 threads), sends HumanEval problems
 0..count-1 as completions (greedy, 64 tokens, logprobs 1), one at a time, and keeps each answer's text and token
-list; then the same through `turbollm serve --disaggregate 1:1` (a prefill and a decode instance, one core each,
-and the proxy); then the prompts a second time through the proxy. It prints, per setting, how many answers are
-equal token for token (and in text), the first difference if any, and the decode instance's hand-off counters.
+list; then the same through a prefill and a decode instance (`turbollm serve` with the p2p connector, one thread
+each) behind `turbollm proxy`; then the prompts a second time through the proxy (the decode instance now takes
+each prompt's start from its own prefix cache and loads only the rest). It prints, per setting, how many answers
+are equal token for token (and in text), the first difference if any, and the hand-off counters.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -22,10 +24,11 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _start(args: list[str], port: int) -> subprocess.Popen:
+def _start(args: list[str], port: int, command: str = "serve") -> subprocess.Popen:
     from turbollm.cli.proxy_cmd import wait_for_instances
 
-    proc = subprocess.Popen([sys.executable, "-m", "turbollm", "serve", *args, "--port", str(port), "--no-webui",
+    extra = ["--no-webui"] if command == "serve" else []
+    proc = subprocess.Popen([sys.executable, "-m", "turbollm", command, *args, "--port", str(port), *extra,
                              "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_instances({"serve": [f"http://127.0.0.1:{port}"]}, 900)
@@ -69,7 +72,7 @@ def main() -> None:
     ns = ap.parse_args()
     prompts = humaneval_prompts("humaneval", None, ns.count)
     print(f"setting: HumanEval 0..{ns.count - 1}, greedy, 64 tokens, one request at a time; one instance (2 threads) "
-          f"against --disaggregate 1:1 (one core each) through the proxy, twice")
+          f"against a prefill and a decode instance (1 thread each) behind turbollm proxy, twice")
     for model in ns.models:
         for kv in ns.kv:
             flags = [model, "--kv-cache-dtype", kv]
@@ -78,13 +81,24 @@ def main() -> None:
                 want = _answers(8201, model, prompts)
             finally:
                 _stop(single)
-            pd = _start(flags + ["--disaggregate", "1:1"], 8202)
+            procs = []
             try:
-                rounds = [_answers(8202, model, prompts) for _ in range(2)]
-                fallbacks = _metric(8202, "turbollm_proxy:prefill_fallbacks_total")
+                for role, port in (("kv_producer", 8203), ("kv_consumer", 8204)):
+                    procs.append(_start(flags + ["--threads", "1", "--kv-transfer-config", json.dumps(
+                        {"kv_connector": "p2p", "kv_role": role})], port))
+                procs.append(_start(["--prefill", "http://127.0.0.1:8203", "--decode", "http://127.0.0.1:8204"], 8202,
+                                    "proxy"))
+                rounds, loaded, hits = [], [], []
+                for _ in range(2):
+                    rounds.append(_answers(8202, model, prompts))
+                    loaded.append(_metric(8204, "turbollm:kv_blocks_loaded_total") - sum(loaded))
+                    hits.append(_metric(8204, "turbollm:prefix_cache_hits_total") - sum(hits))
+                fallbacks = _metric(8202, "turbollm_proxy:prefill_fallbacks_total") + \
+                    _metric(8204, "turbollm:kv_remote_fallbacks_total")
                 remote = _metric(8202, "turbollm_proxy:prefilled_remotely_total")
             finally:
-                _stop(pd)
+                for p in reversed(procs):
+                    _stop(p)
             for r, got in enumerate(rounds):
                 tok = sum(g[1] == w[1] for g, w in zip(got, want))
                 text = sum(g[0] == w[0] for g, w in zip(got, want))
@@ -92,7 +106,8 @@ def main() -> None:
                 where = "" if first is None else f"; first difference: problem {first}, token " \
                     f"{next(j for j, (a, b) in enumerate(zip(got[first][1] + [None], want[first][1] + [None])) if a != b)}"
                 print(f"{model} K/V {kv} round {r + 1}: tokens equal {tok}/{len(prompts)}, text equal "
-                      f"{text}/{len(prompts)}{where}")
+                      f"{text}/{len(prompts)}{where}; decode instance: {loaded[r]:.0f} blocks loaded, "
+                      f"{hits[r]:.0f} prompt tokens from its own prefix cache")
             print(f"{model} K/V {kv}: prefilled on the prefill instance {remote:.0f}, fallbacks {fallbacks:.0f}")
 
 

@@ -97,23 +97,27 @@ class PrefixCaching:
         return refs
 
     def take_remote_prefix(self, seq: Sequence, num_tokens: int) -> list[list[tuple[int, int]]] | None:
-        """Fresh blocks for the first `num_tokens` tokens of a fresh sequence, whose K/V come from a producer (a
-        p2p KV connector): in each group the positions its next token sees (a sliding group's window and sinks,
-        the rest `NULL_BLOCK`). Returns (table position, block) per group; None, with nothing taken, when the
-        pools lack the blocks."""
+        """The first `num_tokens` tokens of a fresh sequence, whose K/V come from a producer (a p2p KV connector):
+        the prefix the pools hold first (a hit, as for any sequence), then fresh blocks for the rest, in each
+        group the positions its next token sees (a sliding group's window and sinks, the rest `NULL_BLOCK`).
+        Returns the (table position, block) pairs to load, per group; None, with nothing taken, when the pools
+        lack the blocks."""
         if seq.num_computed_tokens or seq.block_tables:
             return None
-        bs, nb = self.block_size, -(-num_tokens // self.block_size)
-        used = []
+        self.take_cached_prefix(seq, external=False)
+        bs, nb, hit = self.block_size, -(-num_tokens // self.block_size), seq.num_cached_blocks
+        load = []
         for spec in self.specs:
             first = spec.first_needed_position(num_tokens) // bs if spec is not None else 0
             keep = spec.kept_blocks() if spec is not None else 0
-            used.append([i for i in range(nb) if i >= first or i < keep])
-        if any(len(u) > pool.num_free for u, pool in zip(used, self.pools)):
+            load.append([i for i in range(hit, nb) if i >= first or i < keep])  # (those below `hit` are held)
+        if any(len(u) > pool.num_free for u, pool in zip(load, self.pools)):
+            self.free(seq)
+            seq.num_computed_tokens = 0
             return None
         positions = []
-        for pool, table, u in zip(self.pools, self.tables(seq), used):
-            table.extend([NULL_BLOCK] * nb)
+        for pool, table, u in zip(self.pools, self.tables(seq), load):
+            table.extend([NULL_BLOCK] * (nb - len(table)))
             for i in u:
                 table[i] = pool.allocate()
             positions.append([(i, table[i]) for i in u])

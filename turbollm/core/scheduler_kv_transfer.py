@@ -46,6 +46,9 @@ class KVTransferScheduling:
         positions = self.kv.take_remote_prefix(seq, n)
         if positions is None:
             return False
+        if self.kv.enable_caching:  # the prompt's start from this engine's own prefix cache: counted as a hit
+            self.kv.stats.queries += seq.num_prompt_tokens
+            self.kv.stats.hits += seq.num_cached_blocks * self.block_size
         if not self.kv.take_rings(seq):  # (a quantized format: the ring of recent tokens travels too)
             self.kv.free(seq)
             seq.num_computed_tokens = 0
