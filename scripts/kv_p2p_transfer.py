@@ -76,7 +76,8 @@ def main() -> None:
         load = c1["kv_load_seconds"] - c0["kv_load_seconds"]
         mc = memcpy_gbs(nbytes)
         rate = nbytes / (send + load) / 1e9
-        print(f"repeat {r}: bundle {nbytes / 2**20:.1f} MiB; send {1000 * send:.1f} ms ({nbytes / send / 1e9:.2f} GB/s), "
+        print(f"repeat {r}: bundle {nbytes / 2**20:.1f} MiB; send {1000 * send:.1f} ms "
+              f"({nbytes / send / 1e9:.2f} GB/s), "
               f"load {1000 * load:.1f} ms ({nbytes / load / 1e9:.2f} GB/s); hand-off {rate:.2f} GB/s = "
               f"{100 * rate / mc:.0f}% of memcpy ({mc:.2f} GB/s on the same bytes); "
               f"tokens equal one engine's: {list(dout.outputs[0].token_ids) == list(sout.outputs[0].token_ids)}")

@@ -129,7 +129,8 @@ def main() -> None:
         for name, base in (("x", cold["x"]), ("y", ref["y"])):
             w = warm[name]
             gbs = w["kv_bytes_loaded"] / w["kv_load_seconds"] / 1e9 if w["kv_load_seconds"] else 0.0
-            print(f"restart    {name.upper()}: TTFT {1000 * w['ttft']:8.1f} ms = {base['ttft'] / w['ttft']:.1f}x lower; "
+            print(f"restart    {name.upper()}: TTFT {1000 * w['ttft']:8.1f} ms = "
+                  f"{base['ttft'] / w['ttft']:.1f}x lower; "
                   f"loaded {w['kv_blocks_loaded']} blocks, {w['kv_bytes_loaded'] / 2**20:.1f} MiB in "
                   f"{1000 * w['kv_load_seconds']:.1f} ms ({gbs:.2f} GB/s, checksums and copies included); "
                   f"prefix-cache hits {w['prefix_cache_hits']} tokens; output equal: {w['tokens'] == base['tokens']}")

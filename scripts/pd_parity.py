@@ -103,8 +103,11 @@ def main() -> None:
                 tok = sum(g[1] == w[1] for g, w in zip(got, want))
                 text = sum(g[0] == w[0] for g, w in zip(got, want))
                 first = next((i for i, (g, w) in enumerate(zip(got, want)) if g[1] != w[1]), None)
-                where = "" if first is None else f"; first difference: problem {first}, token " \
-                    f"{next(j for j, (a, b) in enumerate(zip(got[first][1] + [None], want[first][1] + [None])) if a != b)}"
+                where = ""
+                if first is not None:
+                    pairs = zip(got[first][1] + [None], want[first][1] + [None])
+                    token = next(j for j, (a, b) in enumerate(pairs) if a != b)
+                    where = f"; first difference: problem {first}, token {token}"
                 print(f"{model} K/V {kv} round {r + 1}: tokens equal {tok}/{len(prompts)}, text equal "
                       f"{text}/{len(prompts)}{where}; decode instance: {loaded[r]:.0f} blocks loaded, "
                       f"{hits[r]:.0f} prompt tokens from its own prefix cache")

@@ -1,8 +1,9 @@
 """`turbollm proxy` over real `turbollm serve` processes: a prefill instance (p2p kv_producer), a decode instance
-(kv_consumer, its hand-offs over HTTP as from another host) and, beside them, one plain instance as the reference. Greedy completions and chats through the
-proxy — streamed or not, with logprobs — equal the plain instance's; a prefill instance that dies leaves the
-requests to the decode instance (counted, same output); a decode instance that dies mid-stream ends the stream
-with an error event; a proxy started on a URL that does not answer says which flag. No process is left behind.
+(kv_consumer, its hand-offs over HTTP as from another host) and, beside them, one plain instance as the reference.
+Greedy completions and chats through the proxy — streamed or not, with logprobs — equal the plain instance's; a
+prefill instance that dies leaves the requests to the decode instance (counted, same output); a decode instance
+that dies mid-stream ends the stream with an error event; a proxy started on a URL that does not answer says which
+flag. No process is left behind.
 """
 
 from __future__ import annotations

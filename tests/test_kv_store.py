@@ -40,7 +40,7 @@ def test_a_bad_transfer_config_is_named(value, message):
 
 def test_store_path_alone_means_the_store_in_both_roles():
     c = parse_kv_transfer_config(None, "/tmp/kvs")
-    assert (c.kv_connector, c.kv_role, c.kv_store_path, c.saves, c.loads) == ("store", "kv_both", "/tmp/kvs", True, True)
+    assert (c.kv_connector, c.kv_role, c.kv_store_path) == ("store", "kv_both", "/tmp/kvs") and c.saves and c.loads
     consumer = parse_kv_transfer_config({"kv_connector": "store", "kv_role": "kv_consumer", "kv_store_path": "/x"})
     assert (consumer.saves, consumer.loads) == (False, True)
 

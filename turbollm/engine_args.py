@@ -168,7 +168,8 @@ class EngineArgs:
                          self.pipeline_parallel_size,
                          tuple(self.pp_layer_partition) if self.pp_layer_partition is not None else None,
                          self.pp_microbatches, self.pp_steps_in_flight),
-            self.speculative_config, self.kv_transfer_config, SchedulerArgs(self.max_num_seqs, self.max_num_batched_tokens))
+            self.speculative_config, self.kv_transfer_config,
+            SchedulerArgs(self.max_num_seqs, self.max_num_batched_tokens))
 
     @property
     def world_size(self) -> int:

@@ -9,6 +9,12 @@ go back to the pool and it returns to the front of the queue: after a good load 
 the prefix cache, so it takes them at once as an ordinary hit; after a failed one (a block missing,
 short, corrupt, or of another key) they were never indexed, and the sequence computes its prefix
 itself (`external_failed`: it asks the outside no more) — the output is the same either way.
+
+A decode instance's sequence (prefill/decode hand-off, `remote_prefill`) is parked the same way, with fresh
+blocks for the part of its prompt its own prefix cache lacks (`take_remote_prefix`) and a ring slot for a
+quantized format, while its worker loads the producer's bundle; a bundle not there yet keeps it parked
+another step (until its deadline). Once loaded it runs on, holding its blocks, from the producer's first
+token; after a failure it prefills itself — its prompt alone first (`_chunk`), so the bits stay the same.
 """
 
 from __future__ import annotations
@@ -46,13 +52,13 @@ class KVTransferScheduling:
         positions = self.kv.take_remote_prefix(seq, n)
         if positions is None:
             return False
-        if self.kv.enable_caching:  # the prompt's start from this engine's own prefix cache: counted as a hit
-            self.kv.stats.queries += seq.num_prompt_tokens
-            self.kv.stats.hits += seq.num_cached_blocks * self.block_size
         if not self.kv.take_rings(seq):  # (a quantized format: the ring of recent tokens travels too)
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             return False
+        if self.kv.enable_caching:  # the prompt's start from this engine's own prefix cache: counted as a hit
+            self.kv.stats.queries += seq.num_prompt_tokens
+            self.kv.stats.hits += seq.num_cached_blocks * self.block_size
         self.waiting.popleft()
         self.loading[seq.seq_id] = (seq, None)
         self._remote[seq.seq_id] = load = KVRemoteLoad(seq.seq_id, path, positions, n,

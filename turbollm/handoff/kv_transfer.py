@@ -98,7 +98,8 @@ def parse_kv_transfer_config(value: Any, store_path: str | None = None) -> KVTra
     connector = d.get("kv_connector")
     if connector not in KV_CONNECTORS:
         raise InvalidRequestError(f"kv_transfer_config: unknown kv_connector {connector!r}"
-                                  f"{_nearest(str(connector), KV_CONNECTORS)}; choose one of {', '.join(KV_CONNECTORS)}")
+                                  f"{_nearest(str(connector), KV_CONNECTORS)}; "
+                                  f"choose one of {', '.join(KV_CONNECTORS)}")
     role = d.get("kv_role", "kv_both")
     if role not in KV_ROLES:
         raise InvalidRequestError(f"kv_transfer_config: unknown kv_role {role!r}{_nearest(str(role), KV_ROLES)}; "

@@ -1,15 +1,16 @@
 """The block store: K/V blocks in files named by their key, in a folder that outlives the process.
 
 One file per block of one KV-cache group (every layer of the group, scales included), in the frame of
-`framing.py` (magic b"TLKVBLK1"; header: the block's key and layout; CRC-32 over header and payload). A file is written under a temporary name in its folder and
-renamed into place (`os.replace`: readers see a whole file or none), so several instances may share one
-folder, and a write cut short by a crash leaves at worst a temporary file (swept at start). `get` checks
-the magic, the lengths, the CRC, and that the key and layout written inside are the ones asked for:
-a block that fails any of them is reported (`BlockStoreError`) and never used.
+`framing.py` (magic b"TLKVBLK1"; header: the block's key and layout; CRC-32 over header and payload). A file
+is written under a temporary name in its folder and renamed into place (`os.replace`: readers see a whole file
+or none), so several instances may share one folder, and a write cut short by a crash leaves at worst a
+temporary file (swept at start). `get` checks the magic, the lengths, the CRC, and that the key and layout
+written inside are the ones asked for: a block that fails any of them is reported (`BlockStoreError`) and
+never used.
 
 The folder has a size cap: past it, the least recently used files (by modification time, which a read
-refreshes) are deleted down to 90% of the cap, whichever instance wrote them. An in-memory tier of
-recently written and read blocks (`ram_bytes`) sits in front of the files.
+refreshes) are deleted down to 90% of the cap, whichever instance wrote them. An in-memory tier of recently
+written and read blocks (`ram_bytes`) sits in front of the files.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""A KV connector's worker half: the step's saves and loads, done before the forward pass.
+"""A KV connector's worker half: the step's saves, sends and loads, done before the forward pass.
 
 A block of a group is its bytes in every layer of the group this worker holds: K, V and, for a
-quantized format, their scales (`LayerKVCache`), concatenated in layer order. Saves come first: a
-block saved is full and final, and this step's loads and copies may reuse a block freed since the
-scheduler asked. A load writes every block of a sequence or reports the sequence failed
-(`ModelRunnerOutput.kv_loaded`, which the worker fills from `execute`): the scheduler then frees those blocks unindexed, so a block that
-arrived short, corrupt or written for another key or layout is never read.
+quantized format, their scales (`LayerKVCache`), concatenated in layer order. Saves and sends come
+first: a block saved is full and final, and this step's loads and copies may reuse a block freed since
+the scheduler asked. A load writes every block of a sequence or reports the sequence failed (`execute`
+returns it; the worker puts it in `ModelRunnerOutput.kv_loaded`): the scheduler then frees those blocks
+unindexed, so a block that arrived short, corrupt or written for another key or layout is never read.
 
-The block store's half copies each block out in the step (the only part on the step's path) and
-writes the files on a thread of its own; `close` (at shutdown, and at exit) waits for the writes.
-Connectors are a registry keyed by `kv_connector` (`WORKER_CONNECTORS`).
+The block store's half (`StoreWorker`) copies each block out in the step (the only part on the step's
+path) and writes the files on a thread of its own; `close` (at shutdown, and at exit) waits for the
+writes. The prefill/decode half (`P2PWorker`) writes and reads whole sequences' bundles. Connectors are a
+registry keyed by `kv_connector` (`WORKER_CONNECTORS`).
 """
 
 from __future__ import annotations
@@ -178,11 +179,11 @@ class P2PWorker(KVConnectorWorker):
     kv_transfer/framing.py, magic b"TLKVSEQ1"): the header names the model's group keys, the tokens' digest and
     count, each group's table positions and layout; the payload is, group by group and layer part by layer part
     (K, V of each layer), that part's blocks in position order — one gather on the producer and one scatter on
-    the consumer per part. It is written
-    under a temporary name and renamed into place. A remote load reads the bundle (not there yet: the sequence
-    waits another step, until its deadline), checks every field against this engine and the request, copies
-    the blocks it needs into the blocks the scheduler took, and deletes the bundle (the producer's sweep
-    deletes bundles no consumer took within `kv_timeout`)."""
+    the consumer per part; a quantized format's ring slot and bounds follow. It is written under a temporary
+    name and renamed into place. A remote load reads the bundle (not there yet: the sequence waits another step,
+    until its deadline; not on this host: from the producer's server), checks every field against this engine
+    and the request, copies the blocks it needs into the blocks the scheduler took, and deletes the bundle (the
+    producer's sweep deletes bundles no consumer took within `kv_timeout`)."""
 
     def __init__(self, config: KVTransferConfig, kv_caches, layer_groups, kv_config, runner=None):
         super().__init__(config, kv_caches, layer_groups, kv_config, runner)
@@ -250,7 +251,8 @@ class P2PWorker(KVConnectorWorker):
                 for t in (c.k_recent, c.v_recent):
                     n = c.layout.ring_blocks * t[0].numel() * t.element_size()
                     m = c.layout.ring_blocks
-                    buf[at:at + n] = t[send.ring_slot * m:(send.ring_slot + 1) * m].reshape(-1).view(torch.uint8).numpy()
+                    slot = t[send.ring_slot * m:(send.ring_slot + 1) * m]
+                    buf[at:at + n] = slot.reshape(-1).view(torch.uint8).numpy()
                     at += n
             header["ring"] = {"layout": self.ring_layout, "kv_qlo": st.kv_qlo, "ring_floor": st.ring_floor}
         parts = encode_parts(BUNDLE_MAGIC, header, memoryview(buf))
