@@ -5,6 +5,9 @@ long) is one of these, with a message that names the file, tensor or limit invol
 are kept for internal invariants only.
 """
 
+import json
+from typing import Any
+
 
 class TurboLLMError(Exception):
     """Base class of every error turbollm raises on purpose."""
@@ -47,3 +50,16 @@ class InvalidRequestError(TurboLLMError, ValueError):
 
 class BenchmarkError(TurboLLMError):
     """A benchmark that cannot run as asked (missing data file, impossible lengths, an option not built yet)."""
+
+
+def json_object(value: Any, name: str) -> Any:
+    """`value` as given, or parsed when it is JSON text; InvalidRequestError naming `name` unless it is then a JSON
+    object (a dict) — the engine arguments that take a JSON object (speculative_config, kv_transfer_config)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{name}: not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value

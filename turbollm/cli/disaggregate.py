@@ -70,6 +70,7 @@ def run_disaggregated(ns: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
     from turbollm.cli.engine_flags import engine_args_from
+    from turbollm.executor.multiproc import free_port
     from turbollm.server.proxy import build_proxy_app
 
     if ns.kv_transfer_config or ns.kv_store_path:
@@ -98,7 +99,7 @@ def run_disaggregated(ns: argparse.Namespace, argv: list[str]) -> int:
     try:
         for i, cores in enumerate(groups):
             role, flag = ("kv_producer", "--prefill") if i < num_p else ("kv_consumer", "--decode")
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "turbollm", "serve", *shared, "--host", "127.0.0.1", "--port", str(port),
                    "--threads", str(len(cores)), "--kv-transfer-config", json.dumps({**p2p, "kv_role": role})]
             name = f"{'prefill' if i < num_p else 'decode'} instance {i if i < num_p else i - num_p} (cores "\
@@ -131,10 +132,3 @@ def _wait(procs, urls) -> None:
             if time.monotonic() > deadline:
                 raise
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -54,8 +54,8 @@ class KVConnectorScheduler:
 
     looks_up_prefixes = False  # whether `lookup` can find prefix blocks (the block store)
 
-    def __init__(self, config: KVTransferConfig, block_size: int):
-        self.config, self.block_size = config, block_size
+    def __init__(self, config: KVTransferConfig):
+        self.config = config
         self.loads: list[KVLoad] = []
         self.saves: list[KVBlockRef] = []
         self.sends: list[KVSend] = []
@@ -112,10 +112,10 @@ class StoreScheduler(KVConnectorScheduler):
 
     looks_up_prefixes = True
 
-    def __init__(self, config: KVTransferConfig, block_size: int):
-        super().__init__(config, block_size)
-        try:  # (the scheduler only looks: no memory tier here)
-            self.store = BlockStore(config.kv_store_path, config.kv_store_max_bytes)
+    def __init__(self, config: KVTransferConfig):
+        super().__init__(config)
+        try:  # (the scheduler only looks: no memory tier, and the folder is not walked — the worker's store does)
+            self.store = BlockStore(config.kv_store_path, config.kv_store_max_bytes, scan=False)
         except BlockStoreError as e:
             raise InvalidRequestError(str(e)) from None
         self.known: OrderedDict[bytes, None] = OrderedDict()
@@ -158,8 +158,8 @@ class P2PScheduler(KVConnectorScheduler):
     those params takes fresh blocks for its prompt and loads them (core/scheduler_kv_transfer.py); a bundle
     missing past `kv_timeout`, corrupt, or of another model, dtype or prompt makes it prefill itself."""
 
-    def __init__(self, config: KVTransferConfig, block_size: int):
-        super().__init__(config, block_size)
+    def __init__(self, config: KVTransferConfig):
+        super().__init__(config)
         self.engine_id = uuid.uuid4().hex[:12]
         self.folder = Path(config.kv_buffer_path) / self.engine_id
         if config.saves:
@@ -206,5 +206,5 @@ class P2PScheduler(KVConnectorScheduler):
 SCHEDULER_CONNECTORS: dict[str, type[KVConnectorScheduler]] = {"store": StoreScheduler, "p2p": P2PScheduler}
 
 
-def make_scheduler_connector(config: KVTransferConfig | None, block_size: int) -> KVConnectorScheduler | None:
-    return SCHEDULER_CONNECTORS[config.kv_connector](config, block_size) if config is not None else None
+def make_scheduler_connector(config: KVTransferConfig | None) -> KVConnectorScheduler | None:
+    return SCHEDULER_CONNECTORS[config.kv_connector](config) if config is not None else None

@@ -87,7 +87,7 @@ class LLMEngine:
         tune_malloc()
         executor_cls = get_executor_class(args.distributed_executor_backend)
         # a KV connector's scheduler half (core/kv_connector.py): a store folder that cannot be written fails here
-        connector = make_scheduler_connector(args.kv_transfer_config, args.block_size)
+        connector = make_scheduler_connector(args.kv_transfer_config)
         desc, loaded, draft_desc = self._read_model(args, loaded)
         self.config, self.tokenizer, self.quantization = desc.config, desc.tokenizer, desc.quantization
         self.resolved = desc.resolved

@@ -135,7 +135,9 @@ def _stop(procs, conns, shm=None) -> None:
         conn.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on now (rank 0's rendezvous; `serve --disaggregate`'s
+    instances)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -148,7 +150,7 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         n, tp = par.world_size, par.tensor_parallel_size
         # the ranks' rendezvous (a free local port) and their samplers' common seed
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
+        init_method = f"tcp://127.0.0.1:{free_port()}" if n > 1 else None
         seed = config.model.seed
         seed = seed if seed is not None or n == 1 else random.SystemRandom().getrandbits(62)
         # one shared-memory exchange per pipeline stage's tensor-parallel group

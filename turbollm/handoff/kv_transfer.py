@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
 from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from turbollm.errors import InvalidRequestError
+from turbollm.errors import InvalidRequestError, json_object
 
 #: the connectors (each has a scheduler half in core/kv_connector.py and a worker half in worker/kv_connector.py)
 KV_CONNECTORS = ("store", "p2p")
@@ -80,13 +79,7 @@ def parse_kv_transfer_config(value: Any, store_path: str | None = None) -> KVTra
         return value
     if value is None:
         return KVTransferConfig("store", kv_store_path=store_path) if store_path else None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"kv_transfer_config: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"kv_transfer_config: expected a JSON object, got {type(value).__name__}")
+    value = json_object(value, "kv_transfer_config")
     known = {f.name for f in fields(KVTransferConfig)}
     for key in value:
         if key not in known:

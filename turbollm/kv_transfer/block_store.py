@@ -29,7 +29,9 @@ BlockStoreError = KVFrameError  # a stored block that cannot be used (short, cor
 
 
 class BlockStore:
-    def __init__(self, path: str | os.PathLike, max_bytes: int, ram_bytes: int = 0):
+    def __init__(self, path: str | os.PathLike, max_bytes: int, ram_bytes: int = 0, scan: bool = True):
+        """`scan`: walk the folder now (sweeping a crash's temporary files, sizing it for the cap) — what a store
+        that writes needs; one that only looks (`contains`) skips it."""
         self.root = Path(path).expanduser()
         self.max_bytes, self.ram_bytes = max_bytes, ram_bytes
         try:
@@ -42,7 +44,7 @@ class BlockStore:
                                   f"{e.strerror or e}") from None
         self.ram: OrderedDict[bytes, bytes] = OrderedDict()  # key -> payload, least recently used first
         self.ram_used = 0
-        self.disk_bytes = self._sweep()  # this instance's running estimate; `_enforce_cap` measures
+        self.disk_bytes = self._sweep() if scan else 0  # this instance's running estimate; `_enforce_cap` measures
 
     # ---------------------------------------------------------------- names
     def path_of(self, key: bytes) -> Path:

@@ -162,50 +162,42 @@ def build_proxy_app(prefill: list[str], decode: list[str], prefill_timeout: floa
         else:
             stats.prefilled_remotely += 1
             body = {**body, "kv_transfer_params": handoff}
-        if body.get("stream"):
-            return await _open_stream(path, body, headers)
-        tried: set[str] = set()
+        return await _to_decoder(path, body, headers)
+
+    async def _to_decoder(path: str, body: dict, headers: dict) -> Response:
+        """The request on the least loaded decode instance, its answer relayed: a stream as it comes, anything
+        else whole (an error status as is). An instance that cannot be reached is marked down and the next one
+        tried with the same hand-off; one that fails after taking a non-streamed request answers 502."""
+        client, tried = state["client"], set()
         while (inst := decoders.pick(tried)) is not None:
             tried.add(inst.url)
             inst.in_flight += 1
+            relayed = False  # (a relayed stream gives the instance back when it ends: `_relay`)
             try:
-                r = await state["client"].post(inst.url + path, json=body, headers=headers)
-            except httpx.ConnectError as e:  # never reached it: the next one may take the same hand-off
-                decoders.down(inst, f"{type(e).__name__}: {e}")
-                continue
+                r = await client.send(client.build_request("POST", inst.url + path, json=body, headers=headers),
+                                      stream=True)
+                if r.status_code == 200 and body.get("stream"):
+                    relayed = True
+                    return StreamingResponse(_relay(inst, r), media_type="text/event-stream")
+                try:
+                    content = await r.aread()
+                finally:
+                    await r.aclose()
             except (httpx.HTTPError, OSError) as e:
                 decoders.down(inst, f"{type(e).__name__}: {e}")
+                if isinstance(e, httpx.ConnectError) or body.get("stream"):  # (never took it: the next one may)
+                    continue
                 stats.decode_failures += 1
                 return JSONResponse(error_body(f"decode instance {inst.url} failed: {type(e).__name__}",
                                                "server_error"), 502)
             finally:
-                inst.in_flight -= 1
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        stats.decode_failures += 1
-        return JSONResponse(error_body("no decode instance answered", "server_error"), 503)
-
-    async def _open_stream(path: str, body: dict, headers: dict) -> Response:
-        """The decode instance's stream, relayed as it comes; its error answer (a status other than 200) as is."""
-        tried: set[str] = set()
-        while (inst := decoders.pick(tried)) is not None:
-            tried.add(inst.url)
-            client = state["client"]
-            try:
-                r = await client.send(client.build_request("POST", inst.url + path, json=body, headers=headers),
-                                      stream=True)
-            except (httpx.HTTPError, OSError) as e:  # never reached it: the next one may take the same hand-off
-                decoders.down(inst, f"{type(e).__name__}: {e}")
-                continue
-            if r.status_code != 200:
-                content = await r.aread()
-                await r.aclose()
-                return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-            return StreamingResponse(_relay(inst, r), media_type="text/event-stream")
+                if not relayed:
+                    inst.in_flight -= 1
+            return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         stats.decode_failures += 1
         return JSONResponse(error_body("no decode instance answered", "server_error"), 503)
 
     async def _relay(inst: Instance, r):
-        inst.in_flight += 1
         try:
             async for chunk in r.aiter_raw():
                 yield chunk

@@ -14,11 +14,10 @@ false pins K. Every error names the field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from turbollm.errors import InvalidRequestError
+from turbollm.errors import InvalidRequestError, json_object
 from turbollm.kernels.limits import SMALL_QUERY_MAX
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -74,13 +73,7 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     """A `SpeculativeConfig` from a dict, its JSON text, an existing config, or None (no speculation)."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"speculative_config: not valid JSON ({e.msg} at character {e.pos})") from None
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, "speculative_config")
     unknown = sorted(set(value) - _FIELDS)
     if unknown:
         raise InvalidRequestError(f"speculative_config: unknown field(s) {', '.join(map(repr, unknown))}; "
