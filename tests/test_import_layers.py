@@ -42,7 +42,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "turbollm"
 #: offline tools: never imported by the serving path
-OFFLINE = frozenset({"quantize", "eval", "benchmarks", "cli"})
+OFFLINE = frozenset({"quantize", "eval", "benchmarks", "cli", "planner"})
 #: launchers allowed to import the offline tools (``python -m turbollm`` runs the CLI)
 ENTRY = frozenset({"__main__"})
 #: named in the rule; checked to exist so that a rename cannot leave the test checking nothing

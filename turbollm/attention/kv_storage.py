@@ -23,6 +23,7 @@ attention reads its older part quantized.
 from __future__ import annotations
 
 import functools
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,10 +154,19 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zero-filled storage whose pages the OS commits on first touch.
 
-    numpy's zeros uses calloc, which maps fresh zero pages for large sizes, whereas
-    torch.zeros writes every byte: 4 GiB of KV cache would cost seconds at start-up.
-    Zeros (not garbage) matter: masked slots are multiplied by zero probabilities.
+    An anonymous mapping of its own: its pages are zero and cost nothing until written, whereas
+    torch.zeros writes every byte (4 GiB of KV cache would cost seconds at start-up) and numpy's
+    calloc maps fresh pages only above glibc's mmap threshold, which rises as large blocks are
+    freed (up to 32 MiB): below it, calloc clears reused heap memory and commits every page, so the
+    resident size would depend on what the process freed before (measured: 200 MiB more for a
+    KV pool of 8 MiB layers after a model load). Zeros (not garbage) matter: masked slots are
+    multiplied by zero probabilities.
     """
-    if dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
-    return torch.zeros(shape, dtype=dtype)
+    if dtype not in _NUMPY_DTYPES:
+        return torch.zeros(shape, dtype=dtype)
+    np_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+    buf = mmap.mmap(-1, count * np_dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype, count=count).reshape(shape))

@@ -25,6 +25,7 @@ class StepRecord:
     num_sampled: int | None = None  # sequences that sample a token after the step
     decode_only: bool | None = None  # every scheduled sequence adds one token past its prompt
     context_lens: tuple[int, ...] = ()  # per scheduled sequence, new tokens included
+    new_lens: tuple[int, ...] = ()  # per scheduled sequence, its new tokens in the step (same order)
 
 
 def _describe(sched_out, scheduler) -> dict | None:
@@ -37,7 +38,7 @@ def _describe(sched_out, scheduler) -> dict | None:
     return {"num_seqs": len(rows), "num_tokens": sum(n for _, n, _, _ in rows),
             "num_sampled": sum(c + n == t for c, n, _, t in rows),
             "decode_only": bool(rows) and all(n == 1 and c >= p for c, n, p, _ in rows),
-            "context_lens": tuple(c + n for c, n, _, _ in rows)}
+            "context_lens": tuple(c + n for c, n, _, _ in rows), "new_lens": tuple(n for _, n, _, _ in rows)}
 
 
 class StepRecorder:

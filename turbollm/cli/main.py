@@ -11,14 +11,16 @@ from turbollm.cli.config_file import apply_config
 from turbollm.cli.eval_cmd import add_eval
 from turbollm.cli.generate_cmd import add_generate
 from turbollm.cli.models_cmd import add_models, add_pull
+from turbollm.cli.plan_cmd import add_plan
 from turbollm.cli.proxy_cmd import add_proxy
 from turbollm.cli.quantize_cmd import add_quantize
 from turbollm.cli.recipes_cmd import add_recipes
 from turbollm.cli.serve_cmd import add_serve
+from turbollm.cli.tune_cmd import add_tune
 from turbollm.errors import TurboLLMError
 
 COMMANDS = [add_pull, add_models, add_generate, add_chat, add_eval, add_bench, add_serve, add_proxy, add_quantize,
-            add_recipes]
+            add_recipes, add_plan, add_tune]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from turbollm.quantization.dense_dtype import resolve_dtype, set_dtype
 from turbollm.worker.drafter import Drafter
 from turbollm.worker.kv_allocation import allocate_kv_storage
 from turbollm.worker.kv_connector import make_worker_connector
-from turbollm.worker.malloc_tuning import tune_malloc
+from turbollm.worker.malloc_tuning import release_heap, tune_malloc
 from turbollm.worker.model_runner import ModelRunner
 
 
@@ -80,6 +80,7 @@ class Worker:
             # (with several ranks on this host the others wait while this one drafts: it takes their cores too)
             self.drafter = Drafter.build(config.speculative, model, self.runner.states, block_size, draft_kv_config,
                                          threads if world > 1 else None)
+        release_heap()  # what loading freed goes back to the OS (worker/malloc_tuning.py)
 
     def close(self) -> None:
         """Finish what must outlive the worker (a KV connector's writes)."""
