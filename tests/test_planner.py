@@ -205,6 +205,13 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen2, tmp_path, monkeypatch, caps
     text = capsys.readouterr().out
     assert "predicted run" in text and "TTFT p50" in text
     assert list((tmp_path / "plans").glob("profile-*.json")) == cached
+    # memory only: no profile of this format cached, none run; the runtime estimated, no step times
+    assert main(["plan", str(tiny_qwen2), "--kv-cache-dtype", "int8", "--max-model-len", "128", "--workload",
+                 "random:24:8", "--no-profile", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert "steps_ms" not in m and "predicted" not in m and m["kv_cache_dtype"] == "int8"
+    assert m["memory_MiB"]["model_runtime_measured"] is False and m["memory_MiB"]["base"] > 50
+    assert len(list((tmp_path / "plans").glob("profile-*.json"))) == 1
     assert main(["plan", str(tiny_qwen2), "--workload", "random:5"]) == 1
     assert "random:IN:OUT" in capsys.readouterr().err
     assert not math.isnan(d["memory_MiB"]["total"])
@@ -303,3 +310,14 @@ def test_tune_end_to_end_on_a_tiny_model(tiny_qwen2, tmp_path, monkeypatch, caps
     assert settings == rep["winner"]
     assert main(["plan", str(tiny_qwen2), "--config", str(out), "--max-model-len", "128", "--workload",
                  "random:24:8", "--num-prompts", "4", "--json"]) == 0
+
+
+@pytest.mark.slow
+def test_quality_loss_runs_eval_ppl(tiny_qwen2):
+    """The tuner's quality step: `eval ppl` of a lossy choice against the file's weights with float16 K/V."""
+    from turbollm.planner.tuner import quality_loss
+
+    same = quality_loss(str(tiny_qwen2), None, "float16", tokens=256, ctx=64)
+    assert same == 0.0  # the same engine twice: the same perplexity
+    lossy = quality_loss(str(tiny_qwen2), "int8", "int8", tokens=256, ctx=64)
+    assert math.isfinite(lossy) and lossy != 0.0

@@ -73,3 +73,15 @@ def threads_cpu_s(exclude: set[int]) -> float:
         return 0.0
     ticks = (_ticks(_stat_fields(f"/proc/self/task/{tid}/stat")) for tid in tids if int(tid) not in exclude)
     return sum(t for t in ticks if t is not None) / CLOCK_TICKS
+
+
+def rss_bytes() -> int:
+    """This process's resident set (VmRSS) in bytes, or 0 when /proc cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

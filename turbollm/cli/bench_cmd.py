@@ -14,14 +14,7 @@ from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
 from turbollm.cli.bench_serve_cmd import add_serve_bench
 from turbollm.cli.bench_spec_cmd import add_spec_bench
 from turbollm.kernels.forms import FORMS
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from turbollm.procfs import rss_bytes
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -52,14 +45,14 @@ def run_bench_load(ns: argparse.Namespace) -> int:
 
     resolve_model(ns.model)  # pull outside the timed region
     form = resolve_form(ns.kernel_form)
-    rss0 = _rss_bytes()
+    rss0 = rss_bytes()
     t0 = time.perf_counter()
     loaded = load_model(ns.model)
     seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
     set_kernel_form(loaded.model, form)  # the engine's worker does this after loading
     form_seconds = time.perf_counter() - t1
-    rss1 = _rss_bytes()
+    rss1 = rss_bytes()
     rec = {
         "model": ns.model, "format": loaded.resolved.format.value, "arch": loaded.config.arch,
         "threads": torch.get_num_threads(), "load_seconds": round(seconds, 2),

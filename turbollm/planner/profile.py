@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from turbollm.errors import TurboLLMError
+from turbollm.procfs import rss_bytes
 from turbollm.planner.cost_model import StepCostModel, StepShape, fit
 
 # the engine arguments that do not change a step's cost (the KV pool's size and the scheduler's limits
@@ -146,20 +147,12 @@ def _args_dict(args) -> dict:
 
 def measure_base() -> int:
     """The resident set of a fresh interpreter that has imported torch and turbollm (the engine's floor)."""
-    code = "import torch, turbollm, turbollm.planner.profile as p; print(p.rss_bytes())"
+    code = "import torch, turbollm, turbollm.procfs as p; print(p.rss_bytes())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
         return int(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise TurboLLMError(f"could not measure the interpreter's memory: {out.stderr[-500:]}") from None
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _shapes(max_seqs: int, budget: int, model_len: int) -> list[tuple[int, int, int]]:

@@ -138,15 +138,15 @@ def predicted_goodput(cost, cand: Candidate, work: Workload, slo: dict, kv_token
     return lo, run
 
 
-def quality_loss(model: str, quantization: str | None, kv: str, tokens: int = 2048) -> float:
+def quality_loss(model: str, quantization: str | None, kv: str, tokens: int = 2048, ctx: int = 512) -> float:
     """Perplexity change (fraction) of weights `quantization` and K/V `kv` against the file's own weights with
-    float16 K/V, on WikiText-2 (`turbollm eval ppl`, the first `tokens` tokens)."""
+    float16 K/V, on WikiText-2 (`turbollm eval ppl`: the first `tokens` tokens, windows of `ctx`)."""
     def ppl(q: str | None, kv_dtype: str) -> float:
         import tempfile
 
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", "turbollm", "eval", "ppl", model, "--no-reference", "--no-progress",
-                   "--max-tokens", str(tokens), "--kv-cache-dtype", kv_dtype, "--json", f.name]
+                   "--max-tokens", str(tokens), "--ctx", str(ctx), "--kv-cache-dtype", kv_dtype, "--json", f.name]
             if q:
                 cmd += ["--quantization", q]
             out = subprocess.run(cmd, capture_output=True, text=True)
