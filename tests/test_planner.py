@@ -321,3 +321,26 @@ def test_quality_loss_runs_eval_ppl(tiny_qwen2):
     assert same == 0.0  # the same engine twice: the same perplexity
     lossy = quality_loss(str(tiny_qwen2), "int8", "int8", tokens=256, ctx=64)
     assert math.isfinite(lossy) and lossy != 0.0
+
+
+def test_kv_pool_pages_are_committed_on_first_touch():
+    """What the planner's memory model counts on: K/V storage costs nothing until written, even after the engine's
+    malloc thresholds and memory freed before it (numpy's calloc put the pool on the freed heap pages, cleared,
+    so they stayed resident and the heap could not give them back)."""
+    import torch
+
+    from turbollm.attention.kv_storage import _lazy_zeros
+    from turbollm.procfs import rss_bytes
+    from turbollm.worker.malloc_tuning import release_heap, tune_malloc
+
+    tune_malloc()
+    start = rss_bytes()
+    junk = np.ones(96 << 20, dtype=np.uint8)  # what loading leaves: resident, then freed to the heap
+    del junk
+    t = _lazy_zeros((64, 1 << 20), torch.float16)  # a 128 MiB pool
+    release_heap()
+    assert rss_bytes() - start < 16 << 20
+    before = rss_bytes()
+    t[:8].fill_(1.0)  # 16 MiB written: those pages, and only those
+    assert (16 << 20) <= rss_bytes() - before < (40 << 20)
+    assert not t[8:].any() and bool((t[:8] == 1).all())

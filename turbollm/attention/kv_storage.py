@@ -156,11 +156,11 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     An anonymous mapping of its own: its pages are zero and cost nothing until written, whereas
     torch.zeros writes every byte (4 GiB of KV cache would cost seconds at start-up) and numpy's
-    calloc maps fresh pages only above glibc's mmap threshold, which rises as large blocks are
-    freed (up to 32 MiB): below it, calloc clears reused heap memory and commits every page, so the
-    resident size would depend on what the process freed before (measured: 200 MiB more for a
-    KV pool of 8 MiB layers after a model load). Zeros (not garbage) matter: masked slots are
-    multiplied by zero probabilities.
+    calloc maps fresh pages only above glibc's mmap threshold, which the engine raises to 1 GiB
+    (worker/malloc_tuning.py): below it, calloc takes heap memory the process freed before (a
+    model load's buffers), clears it and keeps it resident, so the pool's cost would depend on what
+    loading left behind (measured: 200 MiB more at 32 than at 8 sequences, qwen2.5-coder-0.5b).
+    Zeros (not garbage) matter: masked slots are multiplied by zero probabilities.
     """
     if dtype not in _NUMPY_DTYPES:
         return torch.zeros(shape, dtype=dtype)
