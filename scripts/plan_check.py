@@ -14,6 +14,7 @@ the simulated run's length against the measured run's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -99,16 +100,9 @@ def run_config(model: str, kv: str, label: str, extra: dict, workload: str, num:
     tok = describe_model(model).tokenizer
     wl = parse_workload(workload, tok, num, max_input_len=512)
     plan = make_plan(args, wl, prof)
-    if workload.startswith("sharegpt"):
-        from turbollm.benchmarks.datasets import load_sharegpt_texts
-
-        reqs = [[ids[:512], it.output_len] for ids, it in
-                zip(tok.encode_batch(load_sharegpt_texts(None, num)), wl.items)]
-    else:
-        reqs = [[it.prompt_len, it.output_len] for it in wl.items]
-    import dataclasses
-
-    spec = {"args": {k: v for k, v in dataclasses.asdict(args).items()}, "requests": reqs}
+    # a text workload's own token ids, else the prompt lengths (random ids in the measuring process)
+    reqs = [[list(wl.prompts[i]) if wl.prompts else it.prompt_len, it.output_len] for i, it in enumerate(wl.items)]
+    spec = {"args": dataclasses.asdict(args), "requests": reqs}
     proc = subprocess.run([sys.executable, __file__, "--measure", json.dumps(spec)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"measurement failed for {model} {kv} {label}:\n{proc.stderr[-3000:]}")
@@ -141,10 +135,12 @@ def main() -> int:
         print(json.dumps(measure(json.loads(ns.measure))))
         return 0
     import platform
+
+    from turbollm.benchmarks.kernel_bench import cpu_name
     import torch
 
     print(f"# plan_check {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}; torch threads "
-          f"{torch.get_num_threads()}; CPU: {_cpu()}")
+          f"{torch.get_num_threads()}; CPU: {cpu_name()}")
     print("| model | K/V | setting | workload | pred. peak MiB | meas. peak MiB | ratio | steps | Σpred/Σmeas step "
           "| median step err | sim. run s | meas. run s | ratio | first touch GB/s |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -172,12 +168,6 @@ def main() -> int:
 
 def _args(extra: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in extra.items())
-
-
-def _cpu() -> str:
-    from turbollm.planner.profile import cpu_name
-
-    return cpu_name()
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def test_workloads_parse_and_refuse():
     assert arrivals == sorted(arrivals) and 2.0 < arrivals[-1] < 10.0  # ~4.9 s at 10 requests/s
     even, odd = timed.halves()
     assert len(even.items) == 25 and len(odd.items) == 25
-    for bad in ("random:16", "random:a:b", "random:0:8", "sharegpt:x", "poisson:3", "azure:-1"):
+    for bad in ("random:16", "random:a:b", "random:0:8", "sharegpt:x", "poisson:3", "azure:-1", "azure:x"):
         with pytest.raises(BenchmarkError):
             parse_workload(bad, tokenizer=object(), num=4)
     with pytest.raises(BenchmarkError, match="at least one"):
@@ -128,6 +128,8 @@ def test_sharegpt_and_azure_workloads(tmp_path):
         [{"conversations": [{"value": "a b c"}]}, {"conversations": [{"value": " ".join(["w"] * 40)}]}]))
     wl = parse_workload("sharegpt:7", Tok(), num=2, max_input_len=32, data_dir=tmp_path)
     assert [(i.prompt_len, i.output_len) for i in wl.items] == [(3, 7), (32, 7)]
+    assert wl.prompts == (("a", "b", "c"), ("w",) * 32)  # the ids the engine is given (cut as the lengths say)
+    assert wl.halves()[1].prompts == (("w",) * 32,)
     with pytest.raises(BenchmarkError, match="not found"):
         parse_workload("sharegpt", Tok(), num=2, data_dir=tmp_path / "nowhere")
     (tmp_path / "azure_llm_trace").mkdir()
@@ -250,11 +252,12 @@ def test_prefix_hit_rate_and_block_choice():
 
 
 def test_pareto_front_and_timed_arrivals():
-    from turbollm.planner.tuner import pareto_front, timed
+    from turbollm.planner.tuner import pareto_front
+    from turbollm.planner.workload import poisson
 
     pts = [(100, 5), (80, 9), (90, 4), (100, 5), (60, 9)]
     assert pareto_front(pts) == [0, 1, 3]
-    wl = timed(Workload("w", tuple(WorkItem(8, 4) for _ in range(200))), rate=20.0)
+    wl = poisson(Workload("w", tuple(WorkItem(8, 4) for _ in range(200))), rate=20.0)
     gaps = [b.arrival - a.arrival for a, b in zip(wl.items, wl.items[1:])]
     assert wl.items[0].arrival == 0 and min(gaps) >= 0 and 0.03 < sum(gaps) / len(gaps) < 0.07
 

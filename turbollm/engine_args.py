@@ -10,20 +10,10 @@ from turbollm.engine_config import (DEFAULT_RECENT_WINDOW, KV_CACHE_DTYPES, QUAN
                                     ModelArgs, ParallelArgs, SchedulerArgs)
 from turbollm.errors import InvalidRequestError
 from turbollm.handoff.kv_transfer import parse_kv_transfer_config
+from turbollm.procfs import available_memory
 from turbollm.spec_decode.config import parse_speculative_config
 
 GiB = 1 << 30
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
 
 
 # What "auto" means: a model whose linear weights are quantized (GGUF block types, the int8 /
@@ -189,7 +179,7 @@ class EngineArgs:
     def kv_cache_bytes(self) -> int:
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory)
-        return int(min(4 * GiB, _available_memory() // 4))
+        return int(min(4 * GiB, available_memory(8 * GiB) // 4))
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":

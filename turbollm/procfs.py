@@ -75,13 +75,24 @@ def threads_cpu_s(exclude: set[int]) -> float:
     return sum(t for t in ticks if t is not None) / CLOCK_TICKS
 
 
+def _kib_field(path: str, key: str) -> int | None:
+    """The `key:` line of a /proc file that counts in kB (status, meminfo), in bytes; None when it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def rss_bytes() -> int:
     """This process's resident set (VmRSS) in bytes, or 0 when /proc cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_field("/proc/self/status", "VmRSS") or 0
+
+
+def available_memory(default: int = 8 << 30) -> int:
+    """The memory the kernel says new work can take without swapping (MemAvailable), or `default`."""
+    avail = _kib_field("/proc/meminfo", "MemAvailable")
+    return default if avail is None else avail

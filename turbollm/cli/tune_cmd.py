@@ -47,8 +47,6 @@ def parse_quality(text: str | None) -> float | None:
 
 
 def run_tune_cmd(ns: argparse.Namespace) -> int:
-    import random
-
     from turbollm.errors import BenchmarkError
     from turbollm.loader.model_loader import describe_model
     from turbollm.planner.slo import parse_slo
@@ -69,14 +67,7 @@ def run_tune_cmd(ns: argparse.Namespace) -> int:
     base = engine_args_from(ns)
     tok = describe_model(base.model, quantization=base.quantization).tokenizer
     wl = parse_workload(ns.workload, tok, ns.num_prompts, ns.max_input_len, ns.max_output_len, None, ns.data_dir)
-    if ns.workload.startswith("sharegpt"):
-        from turbollm.benchmarks.datasets import load_sharegpt_texts
-
-        prompts = [ids[:ns.max_input_len] for ids in tok.encode_batch(load_sharegpt_texts(ns.data_dir, ns.num_prompts))]
-    else:
-        rng = random.Random(0)
-        prompts = [[rng.randrange(100, min(tok.vocab_size, 20000)) for _ in range(it.prompt_len)] for it in wl.items]
-    rep = run_tune(base, wl, prompts, slo, ns.minutes, quality, ns.top)
+    rep = run_tune(base, wl, slo, ns.minutes, quality, ns.top)
     with open(ns.out, "w") as f:
         f.write(winner_yaml(rep, ns.workload))
     if ns.plot:

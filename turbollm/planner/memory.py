@@ -1,9 +1,9 @@
 """What an engine will hold in memory, predicted from the model's shapes and the engine's arguments.
 
 - **weights**: from the checkpoint's tensor table (a GGUF header or safetensors headers; no weight is
-  read): each decoder layer's linear weight at its linear method's resident size (`LINEAR_BYTES`), every
-  other tensor (vocabulary tables, norms, biases) as the file stores it — the engine keeps a GGUF file's
-  own block types for them under every method;
+  read): each decoder layer's linear weight at its linear method's resident size (`LINEAR_BYTES`), the
+  vocabulary tables as the engine holds them (`vocab_bytes`: a GGUF's blocks under a method that takes
+  them, else the method's `vocab_table_type`), norms and biases as the file stores them;
 - **KV cache**: the engine's own sizing (`core/kv_sizing.size_kv_cache`: blocks per KV group, the
   quantized formats' scales and float16 rings) — exact, not estimated;
 - **activations**: the largest step's tokens (the simulated run's, else `max_num_batched_tokens`) times the
@@ -14,13 +14,14 @@
   model adds beyond its weights (tokenizers, the fused step's buffers, allocator slack): measured once per
   model by its profile (`planner/profile.py`), or estimated from the vocabulary before one exists.
 
-The prediction is the serving peak with the KV pool in use to its last block (its pages are committed as
-they are first written). Loading adds a transient: the file's mapped pages beside the resident weights
-(`load_peak`).
+`MemoryPlan.total` is the serving peak with the KV pool in use to its last block; its pages are committed as
+they are first written, so a simulated run's peak counts the pages it writes (`workload_total`). Loading
+adds a transient: the file's mapped pages beside the resident weights (`load_peak`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -90,7 +91,7 @@ def tensor_table(resolved) -> TensorTable:
                 for name in st.keys():
                     sl = st.get_slice(name)
                     shape = tuple(sl.get_shape())
-                    rows.append((name, shape, _numel(shape) * _ST_BYTES.get(sl.get_dtype(), 4)))
+                    rows.append((name, shape, math.prod(shape) * _ST_BYTES.get(sl.get_dtype(), 4)))
                     dense.add(name)
     linears = tuple(LinearShape(shape[0], shape[1] if len(shape) > 1 else 1, nbytes)
                     for name, shape, nbytes in rows if _LAYER_LINEAR.match(name))
@@ -102,13 +103,6 @@ def tensor_table(resolved) -> TensorTable:
 
 
 _ST_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "I16": 2}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _file(s: LinearShape, **_) -> int:

@@ -8,12 +8,13 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from turbollm.planner.cost_model import StepShape
 from turbollm.planner.memory import (MiB, MemoryPlan, activation_bytes, estimated_model_runtime, tensor_table,
                                      vocab_bytes, weight_bytes)
 from turbollm.planner.profile import Profile, measure_base
 from turbollm.planner.simulate import SimResult, simulate
-from turbollm.planner.cost_model import StepShape
 from turbollm.planner.workload import Workload
+from turbollm.procfs import available_memory
 
 
 @dataclass
@@ -83,12 +84,6 @@ def _pcts(xs: list[float]) -> dict:
         return {}
     xs = sorted(xs)
     return {"p50": round(1e3 * statistics.median(xs), 1), "p99": round(1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 1)}
-
-
-def available_memory() -> int:
-    from turbollm.engine_args import _available_memory
-
-    return _available_memory()
 
 
 def make_plan(args, workload: Workload, profile: Profile | None, base_bytes: int | None = None) -> Plan:

@@ -71,24 +71,11 @@ def plans_dir() -> Path:
     return turbollm_home() / "plans"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def profile_key(args) -> str:
     """What the cost of a step depends on: the model file, the cost-changing arguments, CPU, version."""
     from turbollm import __version__
     from turbollm.hub.resolve import resolve_model
     from turbollm.kernels import cpu_flags
-
     from turbollm.loader.model_loader import pick_linear_method
 
     resolved = resolve_model(args.model)
@@ -214,6 +201,7 @@ def run_profile(args) -> Profile:
     import torch
 
     from turbollm.benchmarks.datasets import random_prompt_ids
+    from turbollm.benchmarks.kernel_bench import cpu_name
     from turbollm.benchmarks.step_stats import StepRecorder
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.sampling_params import SamplingParams

@@ -10,10 +10,10 @@ from turbollm.planner.simulate import SimResult
 from turbollm.planner.workload import Workload
 
 
-def replay(engine, workload: Workload, prompts: list[list[int]] | None = None, seed: int = 0,
-           time_limit: float | None = None) -> SimResult:
-    """Run `workload` on `engine` (an LLMEngine); `prompts` gives each request's token ids (default: random ids
-    of its length). Requests not finished by `time_limit` seconds are aborted and left out of the lists."""
+def replay(engine, workload: Workload, seed: int = 0, time_limit: float | None = None) -> SimResult:
+    """Run `workload` on `engine` (an LLMEngine): each request's token ids are the workload's own prompts, or
+    random ids of its length. Requests not finished by `time_limit` seconds are aborted and left out of the
+    lists."""
     import random
 
     from turbollm.sampling_params import SamplingParams
@@ -40,7 +40,8 @@ def replay(engine, workload: Workload, prompts: list[list[int]] | None = None, s
         while nxt < len(order) and workload.items[order[nxt]].arrival <= now:
             i = order[nxt]
             it = workload.items[i]
-            ids = prompts[i] if prompts is not None else [rng.randrange(100, vocab) for _ in range(it.prompt_len)]
+            ids = (list(workload.prompts[i]) if workload.prompts is not None
+                   else [rng.randrange(100, vocab) for _ in range(it.prompt_len)])
             rid = f"replay-{i}"
             engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=it.output_len, ignore_eos=True),
                                request_id=rid)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from turbollm.errors import BenchmarkError
 from turbollm.planner.slo import ATTAINMENT, attainment, served_rate
 from turbollm.planner.tuner import (BATCHED, KV_DTYPES, LOSSY, SEQS, WEIGHTS, Candidate, Measured, choose_block_size,
-                                    plot_pareto, predicted_goodput, quality_loss, timed)
-from turbollm.planner.workload import Workload
+                                    plot_pareto, predicted_goodput, quality_loss)
+from turbollm.planner.workload import Workload, poisson
+from turbollm.procfs import available_memory
 
 
 @dataclass
@@ -86,8 +87,8 @@ def start_rate(base, cand: Candidate, work: Workload, slo: dict, fallback: float
     return good or fallback
 
 
-def measure_goodput(base, cand: Candidate, work: Workload, prompts: list[list[int]], slo: dict, start: float,
-                    clock: Clock, tries: int = 5) -> Measured:
+def measure_goodput(base, cand: Candidate, work: Workload, slo: dict, start: float, clock: Clock,
+                    tries: int = 5) -> Measured:
     """Real runs of `cand` on `work` at Poisson rates stepped from `start` (x1.5 up while >= 90% are inside,
     /1.5 down while not), then halfway (geometrically) between the best rate that held and the lowest that did
     not, within the clock."""
@@ -103,7 +104,7 @@ def measure_goodput(base, cand: Candidate, work: Workload, prompts: list[list[in
             expected = len(work.items) / rate + 30.0
             if clock.left < min(expected, 60.0):
                 break
-            run = replay(engine, timed(work, rate), prompts, time_limit=min(clock.left, 3 * expected))
+            run = replay(engine, poisson(work, rate), time_limit=min(clock.left, 3 * expected))
             att = attainment(run, slo, len(work.items))
             tpot = sorted(run.tpot)
             res.runs.append({"rate": round(rate, 4), "attainment": round(att, 3), "served_rps": round(served_rate(run), 4),
@@ -133,15 +134,14 @@ def measure_goodput(base, cand: Candidate, work: Workload, prompts: list[list[in
     return res
 
 
-def run_tune(base, workload: Workload, prompts: list[list[int]], slo: dict, minutes: float,
-             max_quality_loss: float | None, top: int = 3) -> TuneReport:
-    from turbollm.planner.plan import available_memory, make_plan
+def run_tune(base, workload: Workload, slo: dict, minutes: float, max_quality_loss: float | None,
+             top: int = 3) -> TuneReport:
+    from turbollm.planner.plan import make_plan
     from turbollm.planner.profile import profile
 
     clock = Clock(minutes)
     tune_half, held_half = workload.halves()
-    tune_prompts, held_prompts = prompts[0::2], prompts[1::2]
-    block, hits = choose_block_size(tune_prompts)
+    block, hits = choose_block_size(tune_half.prompts or ())  # (random token ids share no prefix)
     rep = TuneReport(base.model, slo, block, {str(k): round(v, 4) for k, v in hits.items()})
     clock.log(f"{len(tune_half.items)} requests to tune on, {len(held_half.items)} held out; prefix-cache hit rate by "
               f"block size {rep.hit_rates}: block {block}")
@@ -194,7 +194,7 @@ def run_tune(base, workload: Workload, prompts: list[list[int]], slo: dict, minu
             clock.log("out of time: the rest are not measured")
             break
         clock.log(f"measuring {cand.label} on the tuning half from {start:.3g} req/s")
-        rep.tuned.append(measure_goodput(base, cand, tune_half, tune_prompts, slo, start, clock))
+        rep.tuned.append(measure_goodput(base, cand, tune_half, slo, start, clock))
     searched = [m for m in rep.tuned if not m.candidate.name]
     if not searched:
         raise BenchmarkError("no candidate could be measured within the budget (raise --minutes)")
@@ -209,7 +209,7 @@ def run_tune(base, workload: Workload, prompts: list[list[int]], slo: dict, minu
             clock.log("out of time for the held-out check")
             break
         clock.log(f"held-out half: {m.candidate.label}")
-        rep.held_out.append(measure_goodput(base, m.candidate, held_half, held_prompts, slo, m.rate or 0.1, clock))
+        rep.held_out.append(measure_goodput(base, m.candidate, held_half, slo, m.rate or 0.1, clock))
     rep.seconds = clock.budget - clock.left
     return rep
 

@@ -26,13 +26,12 @@ import json
 import math
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 from turbollm.errors import BenchmarkError
 from turbollm.planner.simulate import SimResult, simulate
-from turbollm.planner.slo import ATTAINMENT, attainment, served_rate
-from turbollm.planner.workload import WorkItem, Workload
+from turbollm.planner.slo import ATTAINMENT, attainment
+from turbollm.planner.workload import Workload, poisson
 
 SEQS = (4, 8, 16, 32, 64)
 BATCHED = (256, 512, 1024, 2048)
@@ -86,17 +85,6 @@ class Measured:
     runs: list[dict] = field(default_factory=list)  # every rate tried: rate, attainment, tokens/s, per-user tok/s
 
 
-def timed(workload: Workload, rate: float, seed: int = 0) -> Workload:
-    """`workload`'s requests arriving as a Poisson process of `rate` requests/s."""
-    import random
-
-    rng, t, items = random.Random(seed), 0.0, []
-    for it in workload.items:
-        items.append(WorkItem(it.prompt_len, it.output_len, t))
-        t += rng.expovariate(rate)
-    return Workload(f"{workload.name}@{rate:.3g}/s", tuple(items))
-
-
 def prefix_hit_rate(prompts: list[list[int]], block_size: int) -> float:
     """The share of prompt tokens in full blocks whose whole prefix an earlier prompt had (what a prefix cache
     of unlimited size would serve, blocks of `block_size`)."""
@@ -123,7 +111,7 @@ def predicted_goodput(cost, cand: Candidate, work: Workload, slo: dict, kv_token
                       lo: float = 0.01, hi: float = 64.0, iters: int = 10) -> tuple[float, SimResult | None]:
     """(the highest rate the simulated run holds with >= 90% inside, that run), by bisection in log rate."""
     def ok(rate: float) -> tuple[bool, SimResult]:
-        r = simulate(timed(work, rate), cost, cand.max_num_seqs, cand.max_num_batched_tokens, kv_tokens, block)
+        r = simulate(poisson(work, rate), cost, cand.max_num_seqs, cand.max_num_batched_tokens, kv_tokens, block)
         return attainment(r, slo, len(work.items)) >= ATTAINMENT, r
 
     good, run = ok(lo)

@@ -27,6 +27,7 @@ class WorkItem:
 class Workload:
     name: str
     items: tuple[WorkItem, ...]
+    prompts: tuple[tuple[int, ...], ...] | None = None  # each request's token ids (a text workload), else None
 
     @property
     def mean_in(self) -> float:
@@ -38,13 +39,25 @@ class Workload:
 
     def halves(self) -> tuple["Workload", "Workload"]:
         """Even and odd requests (the tuner measures on one, checks on the other)."""
-        return (Workload(self.name + "[even]", self.items[0::2]), Workload(self.name + "[odd]", self.items[1::2]))
+        p = self.prompts
+        return (Workload(self.name + "[even]", self.items[0::2], None if p is None else p[0::2]),
+                Workload(self.name + "[odd]", self.items[1::2], None if p is None else p[1::2]))
+
+
+def poisson(workload: Workload, rate: float, seed: int = 0) -> Workload:
+    """`workload`'s requests arriving as a Poisson process of `rate` requests/s (the first at 0)."""
+    rng, t, items = random.Random(seed), 0.0, []
+    for it in workload.items:
+        items.append(WorkItem(it.prompt_len, it.output_len, t))
+        t += rng.expovariate(rate)
+    return Workload(f"{workload.name}@{rate:.3g}/s", tuple(items), workload.prompts)
 
 
 def parse_workload(spec: str, tokenizer=None, num: int = 64, max_input_len: int = 1024, max_output_len: int = 256,
                    rate: float | None = None, data_dir: str | Path | None = None, seed: int = 0) -> Workload:
     """The workload named by `spec` (see the module's docstring); a BenchmarkError naming what is wrong."""
     kind, _, rest = spec.partition(":")
+    prompts = None
     if num < 1:
         raise BenchmarkError(f"a workload needs at least one request, got {num}")
     if kind == "random":
@@ -66,19 +79,18 @@ def parse_workload(spec: str, tokenizer=None, num: int = 64, max_input_len: int 
         texts = load_sharegpt_texts(data_dir, num)
         if not texts:
             raise BenchmarkError("the ShareGPT file holds no prompts")
-        items = [WorkItem(max(1, min(len(ids), max_input_len)), out) for ids in tokenizer.encode_batch(texts)]
+        prompts = tuple(tuple(ids[:max_input_len]) for ids in tokenizer.encode_batch(texts))
+        items = [WorkItem(max(1, len(ids)), out) for ids in prompts]
     elif kind == "azure":
-        items = _azure(data_dir, num, max_input_len, max_output_len, float(rest or 1.0))
+        try:
+            speedup = float(rest or 1.0)
+        except ValueError:
+            raise BenchmarkError(f"workload {spec!r}: azure:SPEEDUP takes a number, e.g. azure:2") from None
+        items = _azure(data_dir, num, max_input_len, max_output_len, speedup)
     else:
         raise BenchmarkError(f"unknown workload {spec!r}: give random:IN:OUT, sharegpt[:OUT] or azure[:SPEEDUP]")
-    if rate is not None and kind != "azure":
-        rng, t = random.Random(seed), 0.0
-        timed = []
-        for it in items:
-            timed.append(WorkItem(it.prompt_len, it.output_len, t))
-            t += rng.expovariate(rate)
-        items = timed
-    return Workload(spec if rate is None else f"{spec}@{rate:g}/s", tuple(items))
+    wl = Workload(spec, tuple(items), prompts)
+    return poisson(wl, rate, seed) if rate is not None and kind != "azure" else wl
 
 
 def _int(text: str, spec: str, default: int) -> int:
