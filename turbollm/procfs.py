@@ -96,3 +96,38 @@ def available_memory(default: int = 8 << 30) -> int:
     """The memory the kernel says new work can take without swapping (MemAvailable), or `default`."""
     avail = _kib_field("/proc/meminfo", "MemAvailable")
     return default if avail is None else avail
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """The live processes below `pid` (default: this one), children first."""
+    root = os.getpid() if pid is None else pid
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = proc_fields(int(name))
+            if fields and len(fields) > 1 and fields[1].isdigit():
+                parent[int(name)] = int(fields[1])
+    out, frontier = [], [root]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def reset_tree_peak(pid: int | None = None) -> None:
+    """Start `pid`'s (default: this process's) and its descendants' peak resident sets (VmHWM) again from their
+    present size (Linux's clear_refs 5), so a later `tree_peak_bytes` sees only what came after."""
+    for p in [os.getpid() if pid is None else pid] + descendants(pid):
+        try:
+            with open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def tree_peak_bytes(pid: int | None = None) -> int:
+    """The peak resident sets (VmHWM) of `pid` (default: this process) and every live process below it, summed:
+    the most memory an engine and its worker processes held, each at its own peak."""
+    pids = [os.getpid() if pid is None else pid] + descendants(pid)
+    return sum(_kib_field(f"/proc/{p}/status", "VmHWM") or 0 for p in pids)

@@ -8,6 +8,7 @@ import json
 import resource
 import time
 
+from turbollm.cli.bench_ablation_cmd import add_ablation_bench
 from turbollm.cli.bench_kernels_cmd import add_kernel_bench
 from turbollm.cli.bench_kv_cmd import add_kv_bench
 from turbollm.cli.bench_perf_cmd import add_perf_benches, add_prefix_bench
@@ -32,6 +33,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_spec_bench(bsub)
     add_kv_bench(bsub)
     add_kernel_bench(bsub)
+    add_ablation_bench(bsub)
 
 
 def run_bench_load(ns: argparse.Namespace) -> int:

@@ -10,10 +10,11 @@ from turbollm.planner.simulate import SimResult
 from turbollm.planner.workload import Workload
 
 
-def replay(engine, workload: Workload, seed: int = 0, time_limit: float | None = None) -> SimResult:
+def replay(engine, workload: Workload, seed: int = 0, time_limit: float | None = None,
+           observe=None) -> SimResult:
     """Run `workload` on `engine` (an LLMEngine): each request's token ids are the workload's own prompts, or
     random ids of its length. Requests not finished by `time_limit` seconds are aborted and left out of the
-    lists."""
+    lists. `observe(engine, outputs)`, when given, sees every step's outputs (request ids `replay-<index>`)."""
     import random
 
     from turbollm.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ def replay(engine, workload: Workload, seed: int = 0, time_limit: float | None =
         t = time.perf_counter()
         steps += 1
         step_seconds.append(t - s0)
+        if observe is not None:
+            observe(engine, outs)
         for o in outs:
             n = len(o.outputs[0].token_ids) if o.outputs else 0
             rid = o.request_id

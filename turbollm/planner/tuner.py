@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
-from turbollm.errors import BenchmarkError
 from turbollm.planner.simulate import SimResult, simulate
 from turbollm.planner.slo import ATTAINMENT, attainment
 from turbollm.planner.workload import Workload, poisson
@@ -129,20 +125,10 @@ def predicted_goodput(cost, cand: Candidate, work: Workload, slo: dict, kv_token
 def quality_loss(model: str, quantization: str | None, kv: str, tokens: int = 2048, ctx: int = 512) -> float:
     """Perplexity change (fraction) of weights `quantization` and K/V `kv` against the file's own weights with
     float16 K/V, on WikiText-2 (`turbollm eval ppl`: the first `tokens` tokens, windows of `ctx`)."""
-    def ppl(q: str | None, kv_dtype: str) -> float:
-        import tempfile
+    from turbollm.eval.ppl_run import wikitext_ppl
 
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, "-m", "turbollm", "eval", "ppl", model, "--no-reference", "--no-progress",
-                   "--max-tokens", str(tokens), "--ctx", str(ctx), "--kv-cache-dtype", kv_dtype, "--json", f.name]
-            if q:
-                cmd += ["--quantization", q]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise BenchmarkError(f"eval ppl failed for {q or 'file'} weights, {kv_dtype} K/V: {out.stderr[-800:]}")
-            return float(json.loads(open(f.name).read())["ppl"])
-
-    return ppl(quantization, kv) / ppl(None, "float16") - 1.0
+    return (wikitext_ppl(model, quantization, kv, tokens, ctx)
+            / wikitext_ppl(model, None, "float16", tokens, ctx) - 1.0)
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
