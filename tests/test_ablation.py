@@ -14,7 +14,7 @@ import pytest
 from bench_tiny import build_tiny_qwen2
 from turbollm.benchmarks.ablation import (BASELINE, AblationReport, Config, ablation_steps, agreement, build_configs,
                                           parallel_change, spread, summarize)
-from turbollm.benchmarks.ablation_report import markdown, plot_waterfall, replace_section
+from turbollm.benchmarks.ablation_report import compare, markdown, plot_waterfall, replace_section
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -112,6 +112,13 @@ def test_summary_factors_and_markdown():
     assert "**Whole stack over the baseline: 2.00×**" in md and "| baseline | 11.0 (10.0–12.0) | 1.00 |" in md
     assert "+1.00%" in md and "+6.00%" in md  # Δppl of INT8 weights, of 4-bit weights with int8 K/V
     assert md.count("\n| - ") == 6  # leave-one-out rows (no parallel step on one core)
+    # a rerun within ±15% everywhere, then one whose baseline was 20% faster (every factor over it moves too)
+    again = _report({"baseline": [10.5, 11.5, 12.0], "step": [21.0, 22.0, 23.0]}).to_dict()
+    table, ok = compare(d, again)
+    assert ok and "| stacked speedup | 2.00 |" in table and "outside" not in table
+    faster = _report({"baseline": [13.0, 13.2, 13.5], "step": [20.0, 22.0, 24.0]}).to_dict()
+    table, ok = compare(d, faster)
+    assert not ok and "| baseline | 11.00 | 13.20 | 1.20 (outside ±15%) |" in table
 
 
 def test_section_replaced_in_place_and_waterfall_drawn(tmp_path):

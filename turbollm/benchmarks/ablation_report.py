@@ -30,7 +30,7 @@ def _row(rep: AblationReport, c, f: dict | None) -> str:
     return (f"| {c.name} | {tok['median']:.1f} ({tok['min']:.1f}–{tok['max']:.1f}) | {fac} | "
             f"{_f(s['per_user_tok_s']['median'])} | {_ms(s, 'ttft_p50_ms', 'ttft_p99_ms')} | "
             f"{_ms(s, 'itl_p50_ms', 'itl_p99_ms')} | {s['peak_gib']['median']:.2f} | {s['kv_tokens']['median']:.0f} "
-            f"({s['most_running']['max']:.0f}) | {_f(None if dp is None else 100 * dp, '{:+.2f}%')} | "
+            f"({s['most_running']['max']:.0f}) | {_f(None if dp is None else round(100 * dp, 2) or 0.0, '{:+.2f}%')} | "
             f"{s['agreement']['median']:.2f} |")
 
 
@@ -87,16 +87,18 @@ def plot_waterfall(rep: AblationReport, path: str) -> None:
     cum, x = 1.0, list(range(len(steps)))
     for i, c in enumerate(steps):
         if i == 0:
-            ax.bar(i, 1.0, bottom=0.0, color="0.6")
+            ax.bar(i, 1.0 - 0.85, bottom=0.85, color="0.6")  # the baseline: 1 (a log axis has no 0)
             continue
         f = rep.factor(steps[i - 1], c)
         new = cum * f["median"]
         lo, hi = sorted((cum, new))
         ax.bar(i, hi - lo, bottom=lo, color="tab:green" if new >= cum else "tab:red")
         ax.errorbar(i, new, yerr=[[new - cum * f["min"]], [cum * f["max"] - new]], color="k", capsize=3)
-        ax.annotate(f"×{f['median']:.2f}", (i, hi), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"×{f['median']:.2f}", (i, max(hi, cum * f["max"])), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
         cum = new
     ax.set_yscale("log")
+    ax.set_ylim(bottom=0.85)
     ax.set_xticks(x, [c.name for c in steps], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("out tokens/s over the baseline")
     ax.set_title(f"{rep.model}: techniques added in order (stack ×{cum:.2f})")
@@ -122,3 +124,28 @@ def replace_section(text: str, model: str, section: str) -> str:
     if pat.search(text):
         return pat.sub(lambda _: block, text)
     return text.rstrip() + "\n\n" + block + "\n"
+
+
+def compare(previous: dict, current: dict, tolerance: float = 0.15) -> tuple[str, bool]:
+    """A rerun against an earlier run's JSON (`--compare`): each configuration's median out tok/s, the stacked
+    speedup and each step's factor, now over then; True when every ratio is within ±`tolerance`."""
+    def medians(d: dict) -> dict:
+        return {c["name"]: c["summary"]["out_tok_s"]["median"] for c in d["configs"] if c.get("summary")}
+
+    then, now = medians(previous), medians(current)
+    rows, ok = [], True
+    for name in [n for n in now if n in then]:
+        rows.append((name, then[name], now[name]))
+    rows.append(("stacked speedup", previous["stacked_speedup"]["median"], current["stacked_speedup"]["median"]))
+    prev_steps = {s["name"]: s["median"] for s in previous["step_factors"]}
+    for s in current["step_factors"]:
+        if s["name"] in prev_steps:
+            rows.append((f"step factor {s['name']}", prev_steps[s["name"]], s["median"]))
+    lines = ["| | earlier run | this run | this / earlier |", "|---|---|---|---|"]
+    for name, a, b in rows:
+        r = b / a if a else float("inf")
+        within = abs(r - 1) <= tolerance
+        ok &= within
+        note = "" if within else f" (outside ±{round(100 * tolerance)}%)"
+        lines.append(f"| {name} | {a:.2f} | {b:.2f} | {r:.2f}{note} |")
+    return "\n".join(lines), ok

@@ -35,6 +35,8 @@ def add_ablation_bench(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", default=None, help="folder holding sharegpt/ (default: ../shared/data)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the setting, every run and the summary")
     p.add_argument("--plot", metavar="PNG", default=None, help="the waterfall and leave-one-out chart")
+    p.add_argument("--compare", metavar="JSON", default=None,
+                   help="an earlier run's --json: print each median and factor now against then (±15%%)")
     p.add_argument("--doc", metavar="MD", default=None,
                    help="put this model's section into MD (replacing its previous section), e.g. docs/ABLATION.md")
     p.set_defaults(func=run_bench_ablation)
@@ -42,7 +44,7 @@ def add_ablation_bench(bsub: argparse._SubParsersAction) -> None:
 
 def run_bench_ablation(ns: argparse.Namespace) -> int:
     from turbollm.benchmarks.ablation import run_ablation
-    from turbollm.benchmarks.ablation_report import markdown, plot_waterfall, replace_section
+    from turbollm.benchmarks.ablation_report import compare, markdown, plot_waterfall, replace_section
     from turbollm.errors import BenchmarkError
 
     spec = None
@@ -54,6 +56,13 @@ def run_bench_ablation(ns: argparse.Namespace) -> int:
         from turbollm.spec_decode.config import parse_speculative_config
 
         parse_speculative_config(spec)  # a bad field named before anything runs
+    previous = None
+    if ns.compare:
+        try:
+            with open(ns.compare) as f:
+                previous = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise BenchmarkError(f"--compare {ns.compare}: {e}") from None
     kv = None if ns.kv_cache_memory is None else int(ns.kv_cache_memory * 2**30)
     rep = run_ablation(ns.model, num_prompts=ns.num_prompts, max_input_len=ns.max_input_len,
                        max_tokens=ns.max_tokens, repeats=ns.repeats, spec=spec, four_bit=ns.four_bit,
@@ -67,6 +76,10 @@ def run_bench_ablation(ns: argparse.Namespace) -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rep.to_dict(), f, indent=1)
+    if previous is not None:
+        table, ok = compare(previous, rep.to_dict())
+        print(f"\nAgainst {ns.compare}:\n\n{table}\n\n" + ("every figure within ±15%" if ok else
+                                                         "some figures moved more than 15%"))
     if ns.plot:
         plot_waterfall(rep, ns.plot)
         md = md.rstrip() + f"\n\n![{rep.model} ablation]({ns.plot.rpartition('/')[2]})\n"
