@@ -44,12 +44,10 @@ BASELINE = {"quantization": "none", "dtype": "float32", "enforce_eager": True, "
 
 @dataclass(frozen=True)
 class Step:
-    """One technique added to the stack: the engine arguments it sets (`change`); `lossy` steps get a quality
-    measurement of their own."""
+    """One technique added to the stack: the engine arguments it sets (`change`)."""
     key: str
     title: str
     change: dict
-    lossy: bool = False
     group: str = ""  # leave-one-out takes out the whole group (int8 then 4-bit weights are one: "weights")
 
     @property
@@ -84,15 +82,15 @@ def ablation_steps(cfg, cores: int, batch: int, spec: dict, four_bit: str, kv_wi
     then tensor/pipeline parallelism where the cores allow. The quantized K/V keeps its newest `kv_window`
     tokens in float16 (the engine's default, 128, would hold all of a short request's own tokens there)."""
     steps = [
-        Step("int8", "INT8 weights", {"quantization": "int8"}, lossy=True, group="weights"),
-        Step("4bit", f"4-bit weights ({four_bit})", {"quantization": four_bit}, lossy=True, group="weights"),
+        Step("int8", "INT8 weights", {"quantization": "int8"}, group="weights"),
+        Step("4bit", f"4-bit weights ({four_bit})", {"quantization": four_bit}, group="weights"),
         Step("fused", "fused kernels + tiled attention", {"enforce_eager": False, "attention_backend": "cpu"}),
         Step("batching", f"continuous batching (up to {batch})", {"max_num_seqs": batch}),
         Step("prefix", "prefix caching", {"enable_prefix_caching": True}),
         Step("spec", f"speculative decoding ({spec['method']}, K={spec['num_speculative_tokens']})",
              {"speculative_config": spec}),
         Step("kv-int8", f"INT8 K/V ({kv_window} newest in float16)",
-             {"kv_cache_dtype": "int8", "kv_recent_window": kv_window}, lossy=True),
+             {"kv_cache_dtype": "int8", "kv_recent_window": kv_window}),
     ]
     par, why = parallel_change(cfg, cores)
     if par is not None:

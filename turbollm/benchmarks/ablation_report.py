@@ -99,6 +99,9 @@ def plot_waterfall(rep: AblationReport, path: str) -> None:
         cum = new
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.85)
+    times = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×")
+    ax.yaxis.set_major_formatter(times)
+    ax.yaxis.set_minor_formatter(times)
     ax.set_xticks(x, [c.name for c in steps], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("out tokens/s over the baseline")
     ax.set_title(f"{rep.model}: techniques added in order (stack ×{cum:.2f})")
