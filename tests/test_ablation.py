@@ -49,9 +49,8 @@ def test_configs_stack_in_order_and_leave_one_out_reverts_a_whole_technique():
     assert weights.engine == {**full, "quantization": "none"}
     fused = next(c for n, c in loo.items() if "fused" in n)
     assert fused.engine["enforce_eager"] and fused.engine["attention_backend"] == "torch"
-    # tensor parallelism does not take int8 weights: that one configuration is skipped, with the engine's reason
-    refused = [c for c in configs if c.skipped]
-    assert refused == [] or all("does not take" in c.skipped for c in refused)
+    # int8 weights, which tensor parallelism refuses, are never on together with it: every configuration runs
+    assert not [c.name for c in configs if c.skipped]
 
 
 def test_a_step_the_stack_refuses_is_skipped_and_the_stack_goes_on():
