@@ -207,7 +207,7 @@ def summarize(run: dict, reference: list[list[int]] | None) -> dict:
         "itl_p50_ms": 1e3 * pct(run["itl"], 0.5) if run["itl"] else None,
         "itl_p99_ms": 1e3 * pct(run["itl"], 0.99) if run["itl"] else None,
         "peak_gib": run["peak_bytes"] / 2**30, "kv_tokens": run["kv_tokens"], "most_running": run["most_running"],
-        "seconds": run["seconds"],
+        "seconds": run["seconds"], "preemptions": run["preemptions"],
         "agreement": agreement(run["tokens"], reference) if reference is not None else 1.0,
         "prefix_hit": (run["prefix_cache_hits"] / run["prefix_cache_queries"]) if run["prefix_cache_queries"] else 0.0,
         "spec_acceptance": (run["spec_accepted"] / run["spec_drafted"]) if run.get("spec_drafted") else None,
