@@ -229,9 +229,6 @@ class AblationReport:
     quality: dict  # "quantization/kv" -> perplexity, or the reason it is missing
     summaries: dict = field(default_factory=dict)  # config name -> column -> {min, median, max}
 
-    def config(self, name: str) -> Config:
-        return next(c for c in self.configs if c.name == name)
-
     def ppl_change(self, c: Config) -> float | None:
         base = self.quality.get(quality_key(BASELINE))
         mine = self.quality.get(quality_key(c.engine))
@@ -252,7 +249,7 @@ class AblationReport:
         for c in self.configs:
             rows.append({"name": c.name, "kind": c.kind, "engine": c.engine, "skipped": c.skipped,
                          "summary": self.summaries.get(c.name), "ppl_change": self.ppl_change(c),
-                         "runs": [{k: v for k, v in r.items()} for r in c.runs]})
+                         "runs": [dict(r) for r in c.runs]})
         steps = [c for c in self.configs if c.kind in ("baseline", "step") and not c.skipped]
         base, full = steps[0], steps[-1]
         return {"model": self.model, "setting": self.setting, "quality_ppl": self.quality, "configs": rows,
@@ -271,9 +268,10 @@ def quality_key(engine: dict) -> str:
 def run_ablation(model: str, *, num_prompts: int = 16, max_input_len: int = 128, max_tokens: int = 64,
                  repeats: int = 3, spec: dict | None = None, four_bit: str | None = None,
                  kv_cache_memory: int | None = None, kv_window: int = 32, ppl_tokens: int = 4096,
-                 ppl_ctx: int = 512,
-                 timeout: float = 3600.0, data_dir=None, system_prompt: str = SYSTEM_PROMPT,
+                 ppl_ctx: int = 512, timeout: float = 3600.0, data_dir=None, system_prompt: str = SYSTEM_PROMPT,
                  log=print) -> AblationReport:
+    """Build the configurations, run each `repeats` times (interleaved) in its own process, measure the
+    perplexity of each weights x K/V format, and return the report (see the module's docstring)."""
     from turbollm.benchmarks.kernel_bench import cpu_name
     from turbollm.eval.ppl_run import wikitext_ppl
     from turbollm.hub.resolve import resolve_model
