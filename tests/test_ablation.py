@@ -1,4 +1,4 @@
-"""`turbollm bench ablation` (turbollm/benchmarks/ablation.py): the configurations it builds from the steps and
+"""`turbollm bench ablation` (turbollm/ablation/study.py): the configurations it builds from the steps and
 the engine's own refusals, the columns and factors it reports, the Markdown section it puts in a file, the
 waterfall chart, and the whole command on a tiny model."""
 
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from bench_tiny import build_tiny_qwen2
-from turbollm.benchmarks.ablation import (BASELINE, AblationReport, Config, ablation_steps, agreement, build_configs,
+from turbollm.ablation.study import (BASELINE, AblationReport, Config, ablation_steps, agreement, build_configs,
                                           parallel_change, spread, summarize)
-from turbollm.benchmarks.ablation_report import compare, markdown, plot_waterfall, replace_section
+from turbollm.ablation.report import compare, markdown, plot_waterfall, replace_section
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -165,7 +165,7 @@ def test_ablation_end_to_end_on_a_tiny_model(tmp_path):
     """Every configuration of the tiny model runs in its own process: the baseline's greedy tokens are the
     reference, each lossless step repeats them, the K/V budget bounds the batch until K/V is quantized, and the
     report's files are written."""
-    from turbollm.benchmarks.ablation import run_ablation
+    from turbollm.ablation.study import run_ablation
 
     model = build_tiny_qwen2(tmp_path / "tiny")
     rep = run_ablation(str(model), num_prompts=4, max_input_len=12, max_tokens=6, repeats=1, four_bit="int4-g32",

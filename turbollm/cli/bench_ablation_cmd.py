@@ -1,5 +1,5 @@
 """`turbollm bench ablation MODEL`: the plain baseline, each technique added in the seed's order, and the full
-stack less each one, on one workload in one run (turbollm/benchmarks/ablation.py).
+stack less each one, on one workload in one run (turbollm/ablation/study.py).
 
     turbollm bench ablation smollm2-135m --json abl.json --plot docs/ablation_smollm2.png --doc docs/ABLATION.md
 """
@@ -43,8 +43,8 @@ def add_ablation_bench(bsub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_ablation(ns: argparse.Namespace) -> int:
-    from turbollm.benchmarks.ablation import run_ablation
-    from turbollm.benchmarks.ablation_report import compare, markdown, plot_waterfall, replace_section
+    from turbollm.ablation.study import run_ablation
+    from turbollm.ablation.report import compare, markdown, plot_waterfall, replace_section
     from turbollm.errors import BenchmarkError
 
     spec = None

@@ -1,4 +1,4 @@
-"""The ablation's outputs (benchmarks/ablation.py): a Markdown section, a waterfall PNG, and the section put in
+"""The ablation's outputs (ablation/study.py): a Markdown section, a waterfall PNG, and the section put in
 place in a Markdown file between markers of its own, so the command regenerates docs/ABLATION.md one model at
 a time."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from turbollm.benchmarks.ablation import AblationReport
+from turbollm.ablation.study import AblationReport
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:

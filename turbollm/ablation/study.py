@@ -4,7 +4,7 @@ The baseline is what a plain PyTorch implementation does: float32 weights (a GGU
 PyTorch modules for every step with PyTorch attention, float32 K/V, one request at a time, no prefix cache.
 Then the techniques are added one by one in the seed's order (`ablation_steps`), and from the full stack
 each technique is taken out again (leave-one-out). Every configuration runs in a process of its own
-(benchmarks/ablation_run.py) on the same requests — a shared system prompt before each ShareGPT prompt,
+(ablation/run_one.py) on the same requests — a shared system prompt before each ShareGPT prompt,
 all arriving at once, greedy, a fixed number of new tokens — and the K/V memory is the same for all, sized
 so that float32 K/V holds a quarter of the batch at once (the memory a quantized K/V saves becomes
 concurrency). The repeats are interleaved (every configuration once, then again), so drift spreads over all.
@@ -161,13 +161,13 @@ def kv_budget_bytes(cfg, seq_tokens: int, seqs: int) -> int:
 
 
 def run_config(engine: dict, prompts: list[list[int]], max_tokens: int, timeout: float) -> dict:
-    """One run of one configuration in a fresh process (benchmarks/ablation_run.py)."""
+    """One run of one configuration in a fresh process (ablation/run_one.py)."""
     with tempfile.TemporaryDirectory(prefix="turbollm-ablation-") as d:
         job, res = os.path.join(d, "job.json"), os.path.join(d, "result.json")
         with open(job, "w") as f:
             json.dump({"engine": engine, "prompts": prompts, "max_tokens": max_tokens}, f)
         try:
-            out = subprocess.run([sys.executable, "-m", "turbollm.benchmarks.ablation_run", job, res],
+            out = subprocess.run([sys.executable, "-m", "turbollm.ablation.run_one", job, res],
                                  capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise BenchmarkError(f"a configuration ran past {timeout:.0f} s: {engine}") from None

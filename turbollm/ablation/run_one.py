@@ -1,12 +1,13 @@
-"""One configuration of the ablation (benchmarks/ablation.py), in a process of its own so that its peak memory
-and its kernels are its own: `python -m turbollm.benchmarks.ablation_run JOB.json RESULT.json`.
+"""One configuration of the ablation (ablation/study.py), in a process of its own so that its peak memory
+and its kernels are its own: `python -m turbollm.ablation.run_one JOB.json RESULT.json`.
 
 The job holds the engine arguments, the requests' token ids and the new tokens each. The engine is built, a
 short request of other tokens warms it, the processes' peak memory is reset, then every request is added at
-once (an offline batch) and the engine is stepped until all are done (planner/replay.py). The result: time, tokens, TTFT (from the batch's start, so
-a request that waits for others counts its wait) and inter-token latencies, each request's tokens (greedy), the
-KV pool's capacity, the most requests running at once, the process tree's peak memory over the run (each
-process at its own peak: the engine's and its workers', loading left out) and the engine's counters."""
+once (an offline batch) and the engine is stepped until all are done (planner/replay.py). The result: time,
+tokens, TTFT (from the batch's start, so a request that waits for others counts its wait) and inter-token
+latencies, each request's tokens (greedy), the KV pool's capacity, the most requests running at once, the
+process tree's peak memory over the run (each process at its own peak: the engine's and its workers', loading
+left out) and the engine's counters."""
 
 from __future__ import annotations
 
