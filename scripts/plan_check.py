@@ -36,16 +36,6 @@ SETTINGS = [
 KV_DTYPES = ("float16", "int8")
 
 
-def status() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "VmHWM"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
 def first_touch_gbps(mib: int = 64) -> float:
     import numpy as np
 
@@ -62,14 +52,14 @@ def measure(spec: dict) -> dict:
     from turbollm.benchmarks.step_stats import StepRecorder
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.engine_args import EngineArgs
+    from turbollm.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
     from turbollm.sampling_params import SamplingParams
 
     touch = first_touch_gbps()
-    base = status()["VmRSS"]
+    base = rss_bytes()
     engine = LLMEngine.from_engine_args(EngineArgs(**spec["args"]))
-    built = status()["VmRSS"]
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM from here: the serving peak
+    built = rss_bytes()
+    reset_peak_rss()  # VmHWM from here: the serving peak
     rng = random.Random(0)
     vocab = engine.tokenizer.vocab_size
     for i, (prompt, out) in enumerate(spec["requests"]):
@@ -80,7 +70,7 @@ def measure(spec: dict) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
     wall = time.perf_counter() - t0
-    peak = status()["VmHWM"]
+    peak = peak_rss_bytes()
     engine.shutdown()
     return {"base": base, "built": built, "serving_peak": peak, "wall": wall, "first_touch_gbps": touch,
             "steps": [[list(r.new_lens), [c - n for c, n in zip(r.context_lens, r.new_lens)], r.seconds]

@@ -115,13 +115,24 @@ def descendants(pid: int | None = None) -> list[int]:
     return out
 
 
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """The peak resident set (VmHWM) of `pid` (default: this process) in bytes, or 0 when it cannot be read."""
+    return _kib_field(f"/proc/{'self' if pid is None else pid}/status", "VmHWM") or 0
+
+
+def reset_peak_rss(pid: int | None = None) -> None:
+    """Start `pid`'s (default: this process's) peak resident set again from its present size (Linux's
+    clear_refs 5); OSError when /proc does not let us."""
+    with open(f"/proc/{'self' if pid is None else pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
 def reset_tree_peak(pid: int | None = None) -> None:
-    """Start `pid`'s (default: this process's) and its descendants' peak resident sets (VmHWM) again from their
-    present size (Linux's clear_refs 5), so a later `tree_peak_bytes` sees only what came after."""
+    """`reset_peak_rss` for `pid` (default: this process) and its descendants, so a later `tree_peak_bytes` sees
+    only what came after (a process that does not let us keeps its peak)."""
     for p in [os.getpid() if pid is None else pid] + descendants(pid):
         try:
-            with open(f"/proc/{p}/clear_refs", "w") as f:
-                f.write("5")
+            reset_peak_rss(p)
         except OSError:
             pass
 
@@ -129,5 +140,4 @@ def reset_tree_peak(pid: int | None = None) -> None:
 def tree_peak_bytes(pid: int | None = None) -> int:
     """The peak resident sets (VmHWM) of `pid` (default: this process) and every live process below it, summed:
     the most memory an engine and its worker processes held, each at its own peak."""
-    pids = [os.getpid() if pid is None else pid] + descendants(pid)
-    return sum(_kib_field(f"/proc/{p}/status", "VmHWM") or 0 for p in pids)
+    return sum(peak_rss_bytes(p) for p in [os.getpid() if pid is None else pid] + descendants(pid))
