@@ -318,12 +318,17 @@ def test_tune_end_to_end_on_a_tiny_model(tiny_qwen2, tmp_path, monkeypatch, caps
 @pytest.mark.slow
 def test_quality_loss_runs_eval_ppl(tiny_qwen2):
     """The tuner's quality step: `eval ppl` of a lossy choice against the file's weights with float16 K/V."""
-    from turbollm.planner.tuner import quality_loss
+    from turbollm.eval.ppl_run import wikitext_ppl
+    from turbollm.planner.tuner import _ppl, quality_loss
 
+    _ppl.cache_clear()
     same = quality_loss(str(tiny_qwen2), None, "float16", tokens=256, ctx=64)
-    assert same == 0.0  # the same engine twice: the same perplexity
+    assert same == 0.0
     lossy = quality_loss(str(tiny_qwen2), "int8", "int8", tokens=256, ctx=64)
     assert math.isfinite(lossy) and lossy != 0.0
+    assert _ppl.cache_info().misses == 2  # the reference measured once for both
+    # the same engine run again: the same perplexity
+    assert wikitext_ppl(str(tiny_qwen2), None, "float16", 256, 64) == _ppl(str(tiny_qwen2), None, "float16", 256, 64)
 
 
 def test_kv_pool_pages_are_committed_on_first_touch():

@@ -21,6 +21,7 @@ Everything stops at the --minutes budget: what was measured by then decides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -122,13 +123,18 @@ def predicted_goodput(cost, cand: Candidate, work: Workload, slo: dict, kv_token
     return lo, run
 
 
+@functools.lru_cache(maxsize=None)
+def _ppl(model: str, quantization: str | None, kv: str, tokens: int, ctx: int) -> float:
+    """`eval ppl` of one configuration, once per process (the reference is shared by every lossy choice)."""
+    from turbollm.eval.ppl_run import wikitext_ppl
+
+    return wikitext_ppl(model, quantization, kv, tokens, ctx)
+
+
 def quality_loss(model: str, quantization: str | None, kv: str, tokens: int = 2048, ctx: int = 512) -> float:
     """Perplexity change (fraction) of weights `quantization` and K/V `kv` against the file's own weights with
     float16 K/V, on WikiText-2 (`turbollm eval ppl`: the first `tokens` tokens, windows of `ctx`)."""
-    from turbollm.eval.ppl_run import wikitext_ppl
-
-    return (wikitext_ppl(model, quantization, kv, tokens, ctx)
-            / wikitext_ppl(model, None, "float16", tokens, ctx) - 1.0)
+    return _ppl(model, quantization, kv, tokens, ctx) / _ppl(model, None, "float16", tokens, ctx) - 1.0
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
