@@ -13,7 +13,7 @@ import pytest
 
 from bench_tiny import build_tiny_qwen2
 from turbollm.ablation.study import (BASELINE, AblationReport, Config, ablation_steps, agreement, build_configs,
-                                          parallel_change, spread, summarize)
+                                     parallel_change, summarize)
 from turbollm.ablation.report import compare, markdown, plot_waterfall, replace_section
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
@@ -91,7 +91,6 @@ def _report(tmp_rates: dict[str, list[float]]) -> AblationReport:
     for c in configs:
         rates = tmp_rates.get(c.kind, [10.0, 11.0, 12.0])
         c.runs = [summarize(_run(r), ref) for r in rates]
-        rep.summaries[c.name] = {k: spread([run[k] for run in c.runs]) for k in c.runs[0]}
     return rep
 
 

@@ -21,7 +21,7 @@ def _ms(s: dict | None, a: str, b: str) -> str:
 
 def _row(rep: AblationReport, c, f: dict | None) -> str:
     """One configuration's line; `f` the factor shown in the third column (None: the baseline)."""
-    s = rep.summaries.get(c.name)
+    s = rep.summary(c)
     if c.skipped or not s:
         return f"| {c.name} | skipped: {c.skipped} |" + " |" * 9
     tok = s["out_tok_s"]
@@ -43,8 +43,7 @@ def markdown(rep: AblationReport, command: str) -> str:
     steps = [c for c in rep.configs if c.kind in ("baseline", "step")]
     ran = [c for c in steps if not c.skipped]
     full = ran[-1]
-    d = rep.to_dict()
-    sp = d["stacked_speedup"]
+    sp = rep.factor(ran[0], full)
     lines = [
         f"### {rep.model}", "",
         f"`{command}` — {st['date']}, {st['cpu']}, {st['cores']} cores. {st['requests']} requests at once, each a "

@@ -227,7 +227,13 @@ class AblationReport:
     setting: dict
     configs: list[Config]
     quality: dict  # "quantization/kv" -> perplexity, or the reason it is missing
-    summaries: dict = field(default_factory=dict)  # config name -> column -> {min, median, max}
+
+    @staticmethod
+    def summary(c: Config) -> dict | None:
+        """Column -> {min, median, max} over `c`'s repeats (None: it did not run)."""
+        if c.skipped or not c.runs:
+            return None
+        return {k: spread([run[k] for run in c.runs]) for k in c.runs[0]}
 
     def ppl_change(self, c: Config) -> float | None:
         base = self.quality.get(quality_key(BASELINE))
@@ -248,7 +254,7 @@ class AblationReport:
         rows = []
         for c in self.configs:
             rows.append({"name": c.name, "kind": c.kind, "engine": c.engine, "skipped": c.skipped,
-                         "summary": self.summaries.get(c.name), "ppl_change": self.ppl_change(c),
+                         "summary": self.summary(c), "ppl_change": self.ppl_change(c),
                          "runs": [dict(r) for r in c.runs]})
         steps = [c for c in self.configs if c.kind in ("baseline", "step") and not c.skipped]
         base, full = steps[0], steps[-1]
@@ -274,14 +280,13 @@ def run_ablation(model: str, *, num_prompts: int = 16, max_input_len: int = 128,
     perplexity of each weights x K/V format, and return the report (see the module's docstring)."""
     from turbollm.benchmarks.kernel_bench import cpu_name
     from turbollm.eval.ppl_run import wikitext_ppl
-    from turbollm.hub.resolve import resolve_model
     from turbollm.loader.model_loader import describe_model
 
     if repeats < 1 or num_prompts < 1 or max_tokens < 2:
         raise BenchmarkError("--repeats and --num-prompts must be >= 1, --max-tokens >= 2")
     desc = describe_model(model)
     cfg = desc.config
-    is_gguf = resolve_model(model).format.value == "gguf"
+    is_gguf = desc.resolved.format.value == "gguf"
     four_bit = four_bit or ("gguf" if is_gguf else "int4")
     spec = spec or {"method": "ngram", "num_speculative_tokens": 3}
     prompts = build_prompts(desc.tokenizer, num_prompts, max_input_len, data_dir, system_prompt)
@@ -339,7 +344,4 @@ def run_ablation(model: str, *, num_prompts: int = 16, max_input_len: int = 128,
                                         kv_recent_window=int(w[0]) if w else None)
         except BenchmarkError as e:
             quality[key] = f"not measured: {e}"
-    rep = AblationReport(model, setting, configs, quality)
-    for c in (c for c in runnable if not c.skipped):
-        rep.summaries[c.name] = {k: spread([run[k] for run in c.runs]) for k in c.runs[0]}
-    return rep
+    return AblationReport(model, setting, configs, quality)
