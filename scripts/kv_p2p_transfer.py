@@ -3,24 +3,29 @@
     python scripts/kv_p2p_transfer.py [--model qwen2.5-coder-0.5b] [--prompt 2048] [--repeats 3] [--over shm|http]
 
 A producer engine (kv_role kv_producer) prefills a `--prompt`-token WikiText-2 prompt and samples its first token;
-a consumer engine (kv_consumer) in the same process loads the bundle from /dev/shm and decodes 8 more tokens.
-It prints, per repeat, the bundle's bytes, the producer's send (blocks copied out, the file written) and the
-consumer's load (file read, CRC-32, blocks copied in) in ms and GB/s, the hand-off's rate (bytes over send +
-load), and beside them this machine's memcpy rate on the same bytes (numpy, best of 5) — and whether the
+a consumer engine (kv_consumer) in the same process takes the hand-off and decodes 8 more tokens. The producer's
+pool is in shared memory: its send writes the small hand-off file (the blocks stay where they are, held), the
+consumer's load claims the file and copies the blocks straight from the producer's pool into its own (one copy).
+It prints, per repeat, the bytes moved, the send and the load in ms and GB/s, the hand-off's rate (bytes over
+send + load), and beside them this machine's memcpy rate on the same bytes (numpy, best of 5) — and whether the
 consumer's tokens equal one engine's. `--over http`: the producer is a `turbollm serve` process of its own and
-the consumer's buffer folder another one, as on another host: the consumer's worker fetches each bundle from
-the producer's server over loopback TCP (the load then includes the HTTP GET).
+the consumer is told the hand-off's file is on another host (a path that does not exist here): its worker fetches
+the blocks as a bundle from the producer's server over loopback TCP (the load then includes the HTTP GET, the
+server's gather from its pool and the CRC).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -59,7 +64,7 @@ def main() -> None:
     ids = producer.get_tokenizer().encode(DATA.read_text()[:ns.prompt * 8])
     kv = producer.engine.kv_config
     print(f"setting: model={ns.model} prompt={ns.prompt} tokens (WikiText-2 test), K/V {kv.format_name}, block "
-          f"{kv.block_size}, threads={ns.threads}, bundles in {buf}; greedy, first token + 8")
+          f"{kv.block_size}, threads={ns.threads}, hand-offs in {buf}; greedy, first token + 8")
     for r in range(ns.repeats):
         prompt = ids[r:r + ns.prompt]  # (each repeat its own prompt: no prefix-cache hit anywhere)
         greedy = dict(temperature=0, ignore_eos=True)
@@ -76,9 +81,10 @@ def main() -> None:
         load = c1["kv_load_seconds"] - c0["kv_load_seconds"]
         mc = memcpy_gbs(nbytes)
         rate = nbytes / (send + load) / 1e9
-        print(f"repeat {r}: bundle {nbytes / 2**20:.1f} MiB; send {1000 * send:.1f} ms "
-              f"({nbytes / send / 1e9:.2f} GB/s), "
-              f"load {1000 * load:.1f} ms ({nbytes / load / 1e9:.2f} GB/s); hand-off {rate:.2f} GB/s = "
+        written = s1["kv_bytes_saved"] - s0["kv_bytes_saved"]
+        print(f"repeat {r}: moved {nbytes / 2**20:.1f} MiB; send {1000 * send:.2f} ms (the hand-off file, "
+              f"{written / 1024:.1f} KiB), "
+              f"load {1000 * load:.2f} ms ({nbytes / load / 1e9:.2f} GB/s); hand-off {rate:.2f} GB/s = "
               f"{100 * rate / mc:.0f}% of memcpy ({mc:.2f} GB/s on the same bytes); "
               f"tokens equal one engine's: {list(dout.outputs[0].token_ids) == list(sout.outputs[0].token_ids)}")
     for llm in (producer, consumer, single):
@@ -89,7 +95,6 @@ def over_http(ns) -> None:
     import json
     import signal
     import subprocess
-    import sys
 
     import httpx
 
@@ -112,8 +117,8 @@ def over_http(ns) -> None:
                                                      "kv_buffer_path": here}, **kw)
         ids = consumer.get_tokenizer().encode(DATA.read_text()[:ns.prompt * 8])
         print(f"setting: model={ns.model} prompt={ns.prompt} tokens, threads={ns.threads}; producer `turbollm serve` "
-              f"at {url} (bundles in {there}), consumer in this process (buffer {here}): each bundle over loopback "
-              "TCP")
+              f"at {url} (hand-offs in {there}), consumer in this process (buffer {here}), told the hand-off is on "
+              "another host: each prompt's blocks as a bundle over loopback TCP")
         for r in range(ns.repeats):
             prompt = ids[r:r + ns.prompt]
             t0 = time.perf_counter()
@@ -121,7 +126,9 @@ def over_http(ns) -> None:
                 "model": ns.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": {"do_remote_decode": True}}).json()
             prefill = time.perf_counter() - t0
-            handoff = {**ans["kv_transfer_params"], "remote_url": url}
+            h = ans["kv_transfer_params"]
+            local = Path(h["remote_bundle"])  # (as on another host: not this path, the producer's server)
+            handoff = {**h, "remote_url": url, "remote_bundle": f"/no-such-path/{local.parent.name}/{local.name}"}
             c0 = consumer.engine.stats()
             (dout,) = consumer.generate([{"prompt_token_ids": prompt}], SamplingParams(
                 max_tokens=9, temperature=0, ignore_eos=True, kv_transfer_params=handoff), use_tqdm=False)
@@ -129,8 +136,8 @@ def over_http(ns) -> None:
             nbytes = c1["kv_bytes_loaded"] - c0["kv_bytes_loaded"]
             load = c1["kv_load_seconds"] - c0["kv_load_seconds"]
             print(f"repeat {r}: prefill answer {1000 * prefill:.0f} ms; bundle {nbytes / 2**20:.1f} MiB loaded in "
-                  f"{1000 * load:.1f} ms ({nbytes / load / 1e9 if load else 0:.2f} GB/s: GET over loopback, CRC, "
-                  f"copies); fell back: {c1['kv_remote_fallbacks'] - c0['kv_remote_fallbacks']}; memcpy on the same "
+                  f"{1000 * load:.1f} ms ({nbytes / load / 1e9 if load else 0:.2f} GB/s: the server's gather and CRC, the GET over loopback, "
+                  f"CRC, copy); fell back: {c1['kv_remote_fallbacks'] - c0['kv_remote_fallbacks']}; memcpy on the same "
                   f"bytes {memcpy_gbs(nbytes):.2f} GB/s")
         consumer.engine.shutdown()
     finally:

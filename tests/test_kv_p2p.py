@@ -1,13 +1,12 @@
 """Prefill/decode hand-off through the p2p KV connector (handoff/kv_transfer.py, core/ and worker/ kv_connector.py,
 core/scheduler_kv_transfer.py): a producer engine prefills and samples the first token, a consumer engine loads the
-prompt's K/V from the producer's bundle and decodes on — the tokens and logprobs equal, bit for bit, one engine's
-doing it all. A bundle that is missing, late, corrupt, or of another dtype or prompt makes the consumer prefill
-itself, with the same output. Tiny random models: no catalog model needed.
+prompt's K/V from the producer's pool and decodes on — the tokens and logprobs equal, bit for bit, one engine's
+doing it all. A hand-off that is missing, late, corrupt, or of another dtype or prompt makes the consumer prefill
+itself, with the same output; the producer holds the blocks until they are taken or expire. Tiny random models: no catalog model needed.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,7 +123,7 @@ def test_a_missing_corrupt_or_foreign_bundle_is_prefilled_by_the_consumer(tiny, 
         # by now, and a prefix hit rounds the last bits of the logprobs differently: the tokens are compared)
         assert got[0][0] == want[0][0]
         assert consumer.engine.stats()["kv_remote_fallbacks"] == 3
-        # the bad bundles were deleted; the one no consumer asked for waits for the producer's sweep
+        # the bad hand-offs were taken and dropped; the one no consumer asked for waits for its deadline
         assert [str(p) for p in tmp_path.rglob("*.kvs")] == [handoffs[0]["remote_bundle"]]
 
 
@@ -173,17 +172,107 @@ def test_an_aborted_consumer_request_frees_its_blocks_and_the_bundle(tiny, tmp_p
         assert engine.stats()["kv_blocks_used"] == 0
 
 
-def test_the_producer_sweeps_bundles_no_consumer_took(tiny, tmp_path):
-    producer = _engine(tiny["llama"], "kv_producer", tmp_path, timeout=0.2)
-    try:
+def test_the_producer_holds_the_blocks_until_taken_or_expired(tiny, tmp_path):
+    model = tiny["llama"]
+    with _pair(model, tmp_path) as (producer, consumer):
+        engine = producer.engine
         (h,) = _prefill(producer, PROMPTS[:1])
-        old = Path(h["remote_bundle"])
-        assert old.is_file()
-        os.utime(old, (time.time() - 10,) * 2)
-        _prefill(producer, PROMPTS[1:2])  # the next hand-off sweeps
-        assert not old.exists() and len(list(tmp_path.rglob("*.kvs"))) == 1
+        held = -(-len(PROMPTS[0]) // 16)
+        assert engine.stats()["kv_blocks_held"] == held and engine.stats()["kv_blocks_used"] >= held
+        _decode(consumer, PROMPTS[:1], [h])
+        engine.step()  # (the next schedule frees what was taken)
+        assert engine.stats()["kv_blocks_held"] == 0 and engine.stats()["kv_blocks_used"] == 0
+    producer = _engine(model, "kv_producer", tmp_path, timeout=0.2)
+    try:
+        engine = producer.engine
+        (h,) = _prefill(producer, PROMPTS[:1])
+        assert Path(h["remote_bundle"]).is_file() and engine.stats()["kv_blocks_held"] == held
+        time.sleep(0.3)
+        engine.step()
+        s = engine.stats()
+        assert not list(tmp_path.rglob("*.kvs*")) and s["kv_blocks_held"] == 0 and s["kv_handoffs_expired"] == 1
+        assert s["kv_blocks_used"] == 0
     finally:
         producer.engine.shutdown()
+
+
+def test_a_claim_held_past_the_deadline_is_broken_and_the_copy_refused(tiny, tmp_path):
+    """A consumer that claimed a hand-off and did not release it (died, or hung, mid-copy): past twice the timeout
+    the producer deletes the claim and frees the blocks; a consumer that finishes after that refuses its copy."""
+    from turbollm.kv_transfer.shared_pool import claim, finish
+
+    producer = _engine(tiny["llama"], "kv_producer", tmp_path, timeout=0.6)
+    try:
+        engine = producer.engine
+        (h,) = _prefill(producer, PROMPTS[:1])
+        taking = claim(h["remote_bundle"])
+        assert taking is not None and claim(h["remote_bundle"]) is None  # one claimer wins
+        time.sleep(0.7)
+        engine.step()
+        assert engine.stats()["kv_blocks_held"] > 0  # claimed: kept past the deadline...
+        time.sleep(0.6)
+        engine.step()
+        assert engine.stats()["kv_blocks_held"] == 0  # ...until twice the timeout
+        assert finish(taking) is False  # the late consumer learns its copy may be stale
+    finally:
+        producer.engine.shutdown()
+
+
+def test_the_block_copy_kernel_equals_the_reference():
+    import torch
+
+    from turbollm.kernels import build_error, get_kernels
+    from turbollm.kv_transfer.block_copy import copy_blocks_reference
+
+    k = get_kernels()
+    assert k is not None, build_error()
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 255, (40, n), dtype=torch.uint8, generator=g) for n in (4096, 64, 8192)]
+    src_idx, dst_idx = torch.randperm(40, generator=g)[:23], torch.randperm(30, generator=g)[:23]
+    want = [torch.randint(0, 255, (30, s.shape[1]), dtype=torch.uint8, generator=g) for s in srcs]
+    got = [w.clone() for w in want]
+    copy_blocks_reference(srcs, want, src_idx, dst_idx)
+    k.copy_kv_blocks(srcs, got, src_idx, dst_idx)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="outside part"):
+        k.copy_kv_blocks(srcs, got, src_idx, dst_idx + 30)
+
+
+def test_a_pool_is_opened_only_while_its_producer_lives(tmp_path):
+    """Another process's pool is read through /proc/PID/fd only while that process lives and the file is the one
+    named; once it is gone, its mapping is dropped (its memory not kept alive here) and it is refused."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from turbollm.kv_transfer import shared_pool
+    from turbollm.kv_transfer.shared_pool import PoolError, SharedArena, open_pool, part_view
+
+    arena = SharedArena([100])
+    with pytest.raises(PoolError, match="not the producer's pool"):
+        open_pool({**arena.ref(), "ino": arena.ino + 1})
+    producer = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, torch\n"
+        "from turbollm.kv_transfer.shared_pool import SharedArena\n"
+        "a = SharedArena([8192])\nt = a.tensor((2, 4096), torch.uint8)\nt[1].fill_(7)\n"
+        "print(json.dumps({**a.ref(), 'off': a.offset(t)}), flush=True)\nsys.stdin.read()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ref = json.loads(producer.stdout.readline())
+        pool = open_pool(ref).tensor
+        assert int(part_view(pool, ref["off"], 2, 4096)[1].sum()) == 7 * 4096
+        with pytest.raises(PoolError, match="outside"):
+            part_view(pool, ref["off"], 3, 8192)
+        assert any(k[0] == ref["pid"] for k in shared_pool._maps)
+    finally:
+        producer.kill()
+        producer.wait()
+    del pool
+    with pytest.raises(PoolError, match="cannot be opened"):
+        open_pool(ref)
+    assert not any(k[0] == ref["pid"] for k in shared_pool._maps)
 
 
 def test_p2p_refuses_an_unwritable_buffer(tmp_path):

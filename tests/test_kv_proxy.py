@@ -1,5 +1,5 @@
 """`turbollm proxy` over real `turbollm serve` processes: a prefill instance (p2p kv_producer), a decode instance
-(kv_consumer, its hand-offs over HTTP as from another host) and, beside them, one plain instance as the reference.
+(kv_consumer; one hand-off over HTTP as from another host) and, beside them, one plain instance as the reference.
 Greedy completions and chats through the proxy — streamed or not, with logprobs — equal the plain instance's; a
 prefill instance that dies leaves the requests to the decode instance (counted, same output); a decode instance
 that dies mid-stream ends the stream with an error event; a proxy started on a URL that does not answer says which
@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,8 +36,8 @@ def cluster(tmp_path_factory):
     common = [model, "--threads", "1", "--kv-cache-memory", "0.02", "--no-webui"]
     procs, urls = {}, {}
     try:
-        # (the decode instance's buffer folder is not the prefill instance's, as on another host: its worker fetches
-        # each bundle from the prefill instance's server, GET /kv_transfer/...)
+        # (the decode instance's buffer folder is not the prefill instance's: a hand-off names its file and pool by
+        # their own paths)
         for name, extra in (("prefill", _p2p("kv_producer", root / "buf")),
                             ("decode", _p2p("kv_consumer", root / "other-host")), ("plain", [])):
             port = free_port()
@@ -107,6 +108,25 @@ def test_completions_and_chat_through_the_proxy_equal_one_instance(cluster):
     assert _metric(urls["decode"], "turbollm:kv_bundles_received_total") >= 4
     assert _metric(urls["decode"], "turbollm:kv_remote_fallbacks_total") == 0
     assert _metric(urls["proxy"], "turbollm_proxy:prefill_fallbacks_total") == 0
+    # a decode instance on another host: the hand-off's path is not there, the blocks come as a bundle from the
+    # prefill instance's server (GET /kv_transfer/..., built from its pool), and the output is the same
+    h = httpx.post(urls["prefill"] + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": "the quick brown fox jumps over", "max_tokens": 1, "temperature": 0,
+        "ignore_eos": True, "logprobs": 2, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    local = Path(h["remote_bundle"])
+    far = dict(h, remote_bundle=f"/no-such-host-path/{local.parent.name}/{local.name}", remote_url=urls["prefill"])
+    received = _metric(urls["decode"], "turbollm:kv_bundles_received_total")
+    got = _complete(urls["decode"], model, kv_transfer_params=far)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+    assert _metric(urls["decode"], "turbollm:kv_bundles_received_total") == received + 1
+    assert _metric(urls["decode"], "turbollm:kv_remote_fallbacks_total") == 0
+    assert not local.exists()  # taken by the server, which released the blocks
+    # each instance's KV-transfer series through the proxy's /metrics, labelled by instance and role
+    text = httpx.get(urls["proxy"] + "/metrics", timeout=10).text
+    sent = [ln for ln in text.splitlines() if ln.startswith("turbollm_proxy:instance_kv_bundles_sent_total{")]
+    assert len(sent) == 2 and any('role="prefill"' in ln and float(ln.split()[-1]) >= 5 for ln in sent)
+    assert 'turbollm_proxy:instance_kv_transfer_seconds_bucket{' in text and 'role="decode"' in text
 
 
 def test_a_dead_decode_instance_ends_the_stream_with_an_error(cluster):

@@ -376,6 +376,19 @@ def test_bench_serve(server, http, tmp_path):
         assert s["completed"] == 4 and s["failed"] == 0 and s["output_tokens"] == 16 and s["prompt_tokens"] == 32
         assert s["goodput"] == pytest.approx(s["request_throughput"])
         assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and s["tpot_ms"]["p50"] > 0
+    # a trace replayed at two speeds: one run each, at its offered rate, and the plot against the rate
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,30,3\n"
+                     "2023-11-16 18:15:47.6805900,12,2\n2023-11-16 18:15:48.6805900,9,3\n")
+    rc = main(["bench", "serve", "--base-url", server["base"], "--api-key", KEY, "--dataset", "azure", "--trace",
+               str(trace), "--num-prompts", "3", "--max-input-len", "16", "--trace-speedup", "4", "8",
+               "--json", str(out), "--plot", str(tmp_path / "rates.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [s["trace_speedup"] for s in res["results"]] == [4, 8]
+    assert [s["request_rate"] for s in res["results"]] == pytest.approx([4.0, 8.0])  # 3 requests over 2 s / speedup
+    assert all(s["completed"] == 3 and s["output_tokens"] == 8 and s["prompt_tokens"] == 37 for s in res["results"])
+    assert (tmp_path / "rates.png").stat().st_size > 10_000
     wait_idle(http)
 
 

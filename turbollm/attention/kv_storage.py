@@ -108,10 +108,12 @@ class LayerKVCache:
     v_recent: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, layout: KVLayout, num_blocks: int) -> "LayerKVCache":
-        """Zeroed storage of `num_blocks` blocks, each tensor as the layout's format describes it; a quantized
-        format's rings are a float16 view of its K and V blocks."""
-        t = {name: _lazy_zeros(shape, dtype)
+    def allocate(cls, layout: KVLayout, num_blocks: int, alloc=None) -> "LayerKVCache":
+        """Zeroed storage of `num_blocks` blocks, each tensor as the layout's format describes it (from `alloc(shape,
+        dtype)` when given: a shared-memory pool, kv_transfer/shared_pool.py); a quantized format's rings are a
+        float16 view of its K and V blocks."""
+        alloc = alloc or _lazy_zeros
+        t = {name: alloc(shape, dtype)
              for name, (shape, dtype) in layout.format.storage_shapes(num_blocks, *layout.block_shape).items()}
         if layout.format.quantized:
             t["k_recent"], t["v_recent"] = _ring_view(t["k"], layout, num_blocks), _ring_view(t["v"], layout, num_blocks)

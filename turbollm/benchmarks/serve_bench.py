@@ -217,25 +217,34 @@ def run_serve_bench(base_url: str, model: str, requests: list[ServeRequest], rat
     return out
 
 
-def plot_rates(summaries: list[dict[str, Any]], path: str) -> bool:
-    """TTFT/TPOT p50/p99 and throughput against the request rate, as a PNG; False without matplotlib."""
+def offered_rate(requests: list[ServeRequest]) -> float:
+    """Requests per second a trace replay offers: its requests over the span of their arrivals."""
+    span = max((r.arrival or 0.0) for r in requests) if requests else 0.0
+    return (len(requests) - 1) / span if span > 0 else math.inf
+
+
+def plot_rates(summaries: list[dict[str, Any]] | dict[str, list[dict[str, Any]]], path: str) -> bool:
+    """TTFT, ITL and TPOT p50/p99, throughput and goodput against the request rate, as a PNG — one setup's
+    summaries, or several setups' side by side ({name: summaries}); False without matplotlib."""
     from turbollm.benchmarks.report import pyplot
 
     plt = pyplot()
     if plt is None:
         return False
-    rates = [s["request_rate"] for s in summaries]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key in zip(axes[:2], ("ttft_ms", "tpot_ms")):
-        for p in ("p50", "p99"):
-            ax.plot(rates, [s[key][p] for s in summaries], marker="o", label=p)
+    setups = summaries if isinstance(summaries, dict) else {"": summaries}
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    for name, runs in setups.items():
+        rates = [s["request_rate"] for s in runs]
+        tag = f"{name} " if name else ""
+        for ax, key in zip(axes[:3], ("ttft_ms", "itl_ms", "tpot_ms")):
+            for p, style in (("p50", "--"), ("p99", "-")):
+                ax.plot(rates, [s[key][p] for s in runs], style, marker="o", label=tag + p)
+            ax.set_ylabel(key)
+        axes[3].plot(rates, [s["goodput"] for s in runs], marker="o", label=tag + "goodput (req/s)")
+        axes[3].plot(rates, [s["request_throughput"] for s in runs], ":", marker=".", label=tag + "completed req/s")
+    for ax in axes:
         ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(key)
-        ax.legend()
-    axes[2].plot(rates, [s["output_throughput"] for s in summaries], marker="o", label="output tok/s")
-    axes[2].plot(rates, [s["goodput"] for s in summaries], marker="o", label="goodput (req/s)")
-    axes[2].set_xlabel("request rate (req/s)")
-    axes[2].legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     return True

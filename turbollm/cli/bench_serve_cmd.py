@@ -19,7 +19,8 @@ def add_serve_bench(bsub: argparse._SubParsersAction) -> None:
                    help="folder holding sharegpt/ and azure_llm_trace/ (default: ../shared/data)")
     p.add_argument("--trace", default=None,
                    help="Azure trace CSV (default: DATA_DIR/azure_llm_trace/AzureLLMInferenceTrace_conv.csv)")
-    p.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument("--trace-speedup", type=float, nargs="+", default=[1.0],
+                   help="replay the trace this many times faster; several values: one run each (a rate sweep)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="random: prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="sharegpt/random: max_tokens (ignore_eos)")
@@ -60,10 +61,12 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from turbollm.benchmarks.datasets import default_data_dir
-    from turbollm.benchmarks.serve_bench import (azure_trace_requests, plot_rates, random_serve_requests,
-                                                 run_serve_bench, sharegpt_serve_requests)
+    from turbollm.benchmarks.serve_bench import (azure_trace_requests, offered_rate, plot_rates,
+                                                 random_serve_requests, run_serve_bench, sharegpt_serve_requests)
     from turbollm.errors import BenchmarkError
 
+    if ns.endpoint == "chat" and ns.dataset != "sharegpt":
+        raise BenchmarkError("--endpoint chat needs text prompts: use --dataset sharegpt")
     if ns.dataset == "sharegpt":
         reqs = sharegpt_serve_requests(ns.num_prompts, ns.output_len, ns.data_dir)
     elif ns.dataset == "random":
@@ -71,22 +74,33 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     else:
         trace = ns.trace or (Path(ns.data_dir) if ns.data_dir else default_data_dir()) / "azure_llm_trace" / \
             "AzureLLMInferenceTrace_conv.csv"
-        reqs = azure_trace_requests(trace, ns.num_prompts, ns.max_input_len, ns.max_output_len,
-                                    ns.trace_speedup, ns.seed)
-    if ns.endpoint == "chat" and ns.dataset != "sharegpt":
-        raise BenchmarkError("--endpoint chat needs text prompts: use --dataset sharegpt")
+        # one replay per speedup, each at its own offered rate (requests over the replayed span) and with its own
+        # random prompts (seed + i): the same prompts again would be prefix-cache hits on the server
+        replays = [azure_trace_requests(trace, ns.num_prompts, ns.max_input_len, ns.max_output_len, x, ns.seed + i)
+                   for i, x in enumerate(ns.trace_speedup)]
+        reqs = replays[0]
     model = ns.model or _first_model(ns.base_url, ns.api_key)
     slo = {"ttft_ms": ns.slo_ttft_ms, "tpot_ms": ns.slo_tpot_ms, "e2e_ms": ns.slo_e2e_ms}
-    rates = [math.inf] if ns.dataset == "azure" else ns.request_rate
     setting = {"base_url": ns.base_url, "model": model, "endpoint": ns.endpoint, "dataset": ns.dataset,
                "num_prompts": len(reqs), "max_concurrency": ns.max_concurrency, "warmup": not ns.no_warmup,
-               "request_rates": ["trace" if ns.dataset == "azure" else str(r) for r in rates]}
+               "request_rates": ([f"trace x{x}" for x in ns.trace_speedup] if ns.dataset == "azure"
+                                 else [str(r) for r in ns.request_rate])}
     print("setting: " + json.dumps(setting))
-    summaries = run_serve_bench(ns.base_url, model, reqs, rates, ns.max_concurrency, ns.endpoint == "chat",
-                                ns.api_key, slo, ns.seed, warmup=not ns.no_warmup)
+    if ns.dataset == "azure":
+        summaries = []
+        for i, (x, replay) in enumerate(zip(ns.trace_speedup, replays)):
+            (s,) = run_serve_bench(ns.base_url, model, replay, [math.inf], ns.max_concurrency, False, ns.api_key,
+                                   slo, ns.seed, warmup=not ns.no_warmup and i == 0)
+            s["trace_speedup"], s["request_rate"] = x, offered_rate(replay)
+            summaries.append(s)
+    else:
+        summaries = run_serve_bench(ns.base_url, model, reqs, ns.request_rate, ns.max_concurrency,
+                                    ns.endpoint == "chat", ns.api_key, slo, ns.seed, warmup=not ns.no_warmup)
     for s in summaries:
-        s["request_rate"] = "trace" if ns.dataset == "azure" else str(s["request_rate"])
-        print(f"rate {s['request_rate']:>6}: {s['completed']} ok, {s['failed']} failed, "
+        label = f"{s['request_rate']:.2f} (trace x{s['trace_speedup']})" if "trace_speedup" in s else \
+            str(s["request_rate"])
+        s["request_rate"] = s["request_rate"] if "trace_speedup" in s else str(s["request_rate"])
+        print(f"rate {label:>6}: {s['completed']} ok, {s['failed']} failed, "
               f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s, "
               f"goodput {s['goodput']:.2f} req/s | TTFT ms p50/p90/p99 {_p(s['ttft_ms'])} | "
               f"TPOT {_p(s['tpot_ms'])} | ITL {_p(s['itl_ms'])}")
@@ -96,7 +110,7 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump({"setting": setting, "results": summaries}, f, indent=2)
     if ns.plot:
-        numeric = [dict(s, request_rate=float(s["request_rate"])) for s in summaries if s["request_rate"] != "trace"]
+        numeric = [dict(s, request_rate=float(s["request_rate"])) for s in summaries if s["request_rate"] != "inf"]
         if not plot_rates(numeric, ns.plot):
             print("no plot: matplotlib is not installed (pip install 'turbollm[bench]')")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1

@@ -114,7 +114,7 @@ def run_disaggregated(ns: argparse.Namespace, argv: list[str]) -> int:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:
         stop()
-        shutil.rmtree(buf, ignore_errors=True)  # (bundles no decode instance took)
+        shutil.rmtree(buf, ignore_errors=True)  # (hand-off files no decode instance took)
     return 0
 
 

@@ -158,6 +158,8 @@ class Scheduler(SpeculationPlanning, KVTransferScheduling):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_ids, preempted_seq_ids=self._preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
+        if self.kv.connector is not None:
+            self.kv.connector.poll()  # (a p2p producer frees the blocks a decode instance has copied)
         running = [s for s in self.running if s.seq_id not in self.in_flight]
         # sequences a step takes: its share of those that can run at once
         per_step = -(-min(len(self.running) + len(self.waiting), self.max_num_seqs) // self.max_steps_in_flight)

@@ -99,6 +99,7 @@ class KVTransferScheduling:
     def _loads_done(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         if self.kv.connector is None:
             return
+        self.kv.connector.step_done(sched.kv_transfer)
         self._remote_loads_done(sched, out)
         failed = 0
         for load in reversed(sched.kv_transfer.loads):  # (back to the queue's front in their order)

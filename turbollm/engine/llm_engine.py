@@ -107,6 +107,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager.from_config(
             self.kv_config, enable_caching=args.enable_prefix_caching and not get_kv_policy(args.kv_policy).evicts)
         self.kv_manager.connector = connector
+        if connector is not None:
+            connector.attach(self.kv_manager.pools, self.kv_manager.block_size)
         spec = args.speculative_config
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, batched_tokens(args), self.max_model_len,
                                    spec.num_speculative_tokens if spec is not None else 0,
@@ -272,7 +274,7 @@ class LLMEngine:
             "num_steps": self.step_counts[0], "num_step_seqs": self.step_counts[1],
             "num_step_tokens": self.step_counts[2], "kv_groups": self._kv_group_stats(),
             **(self._spec_stats() if sched.speculates else {}),
-            **(pool.connector.stats if pool.connector is not None else {}),
+            **(pool.connector.snapshot() if pool.connector is not None else {}),
         }
 
     def _kv_group_stats(self) -> list[dict[str, int | str]]:

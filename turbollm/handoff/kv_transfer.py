@@ -2,7 +2,7 @@
 
 A KV connector moves K/V blocks between this engine and something outside it: a block store that
 outlives the process (`store`), or another instance (`p2p`: prefill/decode disaggregation — a producer's
-finished request leaves its prompt's K/V in a bundle, and a consumer given the producer's
+finished request leaves its prompt's K/V in its pool (in shared memory), and a consumer given the producer's
 `kv_transfer_params` loads it and decodes on from the producer's first token). It has two halves, as vLLM's
 `KVConnectorBase_V1`: the scheduler side (core/kv_connector.py) says which blocks of a new request's
 prefix the outside holds and which newly full blocks to save; the worker side (worker/kv_connector.py)
@@ -21,7 +21,7 @@ found, and the worker side checks the key written inside the block before using 
     --kv-transfer-config '{"kv_connector": "p2p", "kv_role": "kv_consumer"}'   (decode instance)
 
 A request asks for the hand-off in `SamplingParams.kv_transfer_params` (vLLM's names): `{"do_remote_decode":
-true}` on the producer (whose `RequestOutput.kv_transfer_params` then says where the bundle is), and those
+true}` on the producer (whose `RequestOutput.kv_transfer_params` then names the hand-off file), and those
 returned params, with `"first_token"`, on the consumer.
 """
 
@@ -41,7 +41,7 @@ KV_CONNECTORS = ("store", "p2p")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_STORE_BYTES = 8 << 30
 DEFAULT_STORE_RAM_BYTES = 256 << 20
-DEFAULT_BUFFER_PATH = "/dev/shm/turbollm-kv"  # p2p on one host: bundles pass through shared memory
+DEFAULT_BUFFER_PATH = "/dev/shm/turbollm-kv"  # p2p: where a producer leaves its hand-off files
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class KVTransferConfig:
     kv_store_path: str | None = None
     kv_store_max_bytes: int = DEFAULT_STORE_BYTES
     kv_store_ram_bytes: int = DEFAULT_STORE_RAM_BYTES
-    # p2p: the folder a producer leaves its bundles in (one host: shared memory), and how long a bundle waits
-    # for its consumer (and a consumer for its bundle) before it is dropped (the consumer then prefills itself)
+    # p2p: the folder a producer leaves its hand-off files in, and how long a hand-off waits for its consumer (the
+    # producer then frees the blocks; a claim is broken at twice this) and a consumer for its hand-off (it then
+    # prefills itself)
     kv_buffer_path: str = DEFAULT_BUFFER_PATH
     kv_timeout: float = 30.0
 
@@ -110,7 +111,7 @@ def parse_kv_transfer_config(value: Any, store_path: str | None = None) -> KVTra
 
 
 def token_digest(tokens: list[int]) -> str:
-    """What a bundle's tokens are checked by (a consumer with other tokens refuses it)."""
+    """What a hand-off's tokens are checked by (a consumer with other tokens refuses it)."""
     return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
@@ -133,28 +134,28 @@ class KVLoad:
 
 @dataclass
 class KVSend:
-    """A producer's finished sequence: the K/V of its first `num_tokens` tokens, to leave as one bundle."""
+    """A producer's finished sequence: the K/V of its first `num_tokens` tokens, left in its pool for a consumer (the hand-off file at `path` names them)."""
 
     seq_id: int
     path: str
     tables: tuple[list[int], ...]  # its block table per group (NULL_BLOCK: released out of a window)
     num_tokens: int
-    token_digest: str  # of those tokens: a consumer with other tokens refuses the bundle
+    token_digest: str  # of those tokens: a consumer with other tokens refuses the hand-off
     ring_slot: int = -1  # a quantized format: its float16 ring of recent tokens, which travels too
 
 
 @dataclass
 class KVRemoteLoad:
-    """A consumer's sequence: its prompt's K/V from a producer's bundle, into the blocks the scheduler took."""
+    """A consumer's sequence: its prompt's K/V from a producer's pool (or a bundle over HTTP), into the blocks the scheduler took."""
 
     seq_id: int
     path: str
     positions: list[list[tuple[int, int]]]  # per group: (table position, block to fill)
     num_tokens: int
     token_digest: str
-    deadline: float  # time.time() after which a bundle still missing fails the load
-    ring_slot: int = -1  # a quantized format: the ring slot the scheduler took for it, filled from the bundle
-    url: str | None = None  # the producer's server, asked for the bundle when `path` is not on this host
+    deadline: float  # time.time() after which a hand-off still missing fails the load
+    ring_slot: int = -1  # a quantized format: the ring slot the scheduler took for it, filled from the hand-off
+    url: str | None = None  # the producer's server, asked for the blocks when `path` is not on this host
 
 
 @dataclass
@@ -183,5 +184,6 @@ class KVTransferStats:
     blocks_saved: int = 0
     bytes_saved: int = 0
     save_seconds: float = 0.0  # copying the blocks out (the files are written behind the steps)
-    bundles_sent: int = 0  # p2p
+    bundles_sent: int = 0  # p2p hand-offs (the counters keep their first name)
     bundles_received: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)  # each sequence's load and each p2p send, in turn

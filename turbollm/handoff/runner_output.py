@@ -56,4 +56,4 @@ class ModelRunnerOutput:
     # frees them and the sequence computes its prefix itself), and what the connector did
     kv_loaded: dict[int, bool] = field(default_factory=dict)
     kv_stats: KVTransferStats | None = None
-    kv_waiting: list[int] = field(default_factory=list)  # remote loads whose bundle is not there yet
+    kv_waiting: list[int] = field(default_factory=list)  # remote loads whose hand-off is not there yet

@@ -2,7 +2,7 @@
 
 The CRC covers the header and the payload; the header says the payload's length, so a file cut short or
 grown is caught before its CRC is even read. `decode` raises `KVFrameError` with what is wrong; callers
-check the header's fields (a block store block: its key and layout; a sequence bundle: its model's keys,
+check the header's fields (a block store block: its key and layout; a p2p hand-off or bundle: its model's keys,
 its tokens and positions).
 """
 

@@ -13,8 +13,10 @@ not report it — arrival to first output, an upper bound that includes the pref
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from turbollm.server.dashboard import LatencyWindow
 
@@ -57,9 +59,20 @@ class _EngineCollector:
                          ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                          ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")]
         if "kv_blocks_loaded" in s:  # a KV connector (core/kv_connector.py)
-            from turbollm.core.kv_connector import STAT_DOCS
+            from turbollm.core.kv_connector import GAUGES, STAT_DOCS, TRANSFER_BUCKETS, TRANSFER_HISTOGRAM
 
-            counters += list(STAT_DOCS.items())
+            counters += [(k, d) for k, d in STAT_DOCS.items() if k not in GAUGES]
+            for name in GAUGES:
+                g = GaugeMetricFamily(P + name, STAT_DOCS[name], labels=labels)
+                g.add_metric([self.model_name], float(s[name]))
+                yield g
+            hist = s[TRANSFER_HISTOGRAM]
+            h = HistogramMetricFamily(P + TRANSFER_HISTOGRAM, "Seconds of each KV transfer: a sequence's blocks "
+                                      "loaded, a prefill instance's hand-off written.", labels=labels)
+            cumulative = list(itertools.accumulate(hist["counts"]))
+            h.add_metric([self.model_name], [(repr(b), c) for b, c in zip(TRANSFER_BUCKETS, cumulative)]
+                         + [("+Inf", cumulative[-1])], hist["sum"])
+            yield h
         for name, doc in counters:
             c = CounterMetricFamily(P + name, doc, labels=labels)
             c.add_metric([self.model_name], float(s[name]))

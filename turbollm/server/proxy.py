@@ -86,6 +86,24 @@ class ProxyStats:
         return "\n".join(lines) + "\n"
 
 
+def instance_kv_series(text: str, role: str, url: str) -> str:
+    """An instance's `turbollm:kv_*` series (Prometheus text) as `turbollm_proxy:instance_kv_*`, each sample
+    labelled with the instance's URL and role."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("# ") and " turbollm:kv_" in line:
+            kind, rest = line[2:].split(" ", 1)
+            if kind in ("HELP", "TYPE"):
+                out.append(f"# {kind} " + rest.replace("turbollm:kv_", "turbollm_proxy:instance_kv_", 1))
+        elif line.startswith("turbollm:kv_"):
+            name, _, value = line.rpartition(" ")
+            extra = f'instance="{url}",role="{role}"'
+            name = name.replace("turbollm:kv_", "turbollm_proxy:instance_kv_", 1)
+            name = name[:-1] + "," + extra + "}" if name.endswith("}") else name + "{" + extra + "}"
+            out.append(f"{name} {value}")
+    return "\n".join(out) + "\n" if out else ""
+
+
 def _prefill_body(body: dict, chat: bool) -> dict:
     """The request as a prefill instance takes it: one token, no stream, the hand-off asked for."""
     pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
@@ -136,7 +154,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], prefill_timeout: floa
         if 400 <= r.status_code < 500:
             return None, JSONResponse(r.json(), status_code=r.status_code)
         handoff = r.json().get("kv_transfer_params") if r.status_code == 200 else None
-        if handoff is not None:  # (a decode instance on another host fetches the bundle from there)
+        if handoff is not None:  # (a decode instance on another host fetches the blocks from there)
             handoff = {**handoff, "remote_url": inst.url}
         if handoff is None:
             prefillers.down(inst, f"HTTP {r.status_code}" if r.status_code != 200 else "no kv_transfer_params "
@@ -243,6 +261,17 @@ def build_proxy_app(prefill: list[str], decode: list[str], prefill_timeout: floa
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(stats.metrics_text(), media_type="text/plain; version=0.0.4")
+        """The proxy's counters, then every instance's KV-transfer series (`turbollm:kv_*`: blocks and bytes moved,
+        the transfer-time histogram, failures, fallbacks, blocks held), relabelled with the instance and its role."""
+
+        async def scrape(role: str, inst: Instance) -> str:
+            try:
+                r = await state["client"].get(inst.url + "/metrics", timeout=2)
+                return instance_kv_series(r.text, role, inst.url) if r.status_code == 200 else ""
+            except (httpx.HTTPError, OSError):
+                return ""
+
+        parts = await asyncio.gather(*(scrape(pool.role, i) for pool in (prefillers, decoders) for i in pool.instances))
+        return Response(stats.metrics_text() + "".join(parts), media_type="text/plain; version=0.0.4")
 
     return app

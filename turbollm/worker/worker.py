@@ -25,8 +25,8 @@ from turbollm.models.forward_batch import LayerHooks
 from turbollm.quantization.base import set_kernel_form, set_qmatmul
 from turbollm.quantization.dense_dtype import resolve_dtype, set_dtype
 from turbollm.worker.drafter import Drafter
-from turbollm.worker.kv_allocation import allocate_kv_storage
-from turbollm.worker.kv_connector import make_worker_connector
+from turbollm.worker.kv_allocation import allocate_kv_storage, allocate_shared_kv_storage
+from turbollm.worker.kv_connector import connector_shares_pool, make_worker_connector
 from turbollm.worker.malloc_tuning import release_heap, tune_malloc
 from turbollm.worker.model_runner import ModelRunner
 
@@ -65,7 +65,13 @@ class Worker:
         set_kernel_form(self.loaded.model, resolve_form(model.kernel_form))  # and its kernels' weight layout
         set_dtype(self.loaded.model, resolve_dtype(model.dtype, self.loaded.model))  # dense weights: fp32 or bf16
         block_size = config.cache.block_size
-        self.runner = ModelRunner(self.loaded.model, allocate_kv_storage(kv_config, layers), block_size,
+        # a prefill instance's p2p connector wants its pool in shared memory (decode instances copy from it)
+        arena = None
+        if connector_shares_pool(config.kv_transfer):
+            kv_caches, arena = allocate_shared_kv_storage(kv_config, layers)
+        else:
+            kv_caches = allocate_kv_storage(kv_config, layers)
+        self.runner = ModelRunner(self.loaded.model, kv_caches, block_size,
                                   get_attention_backend(model.attention_backend), fused_decode=not model.enforce_eager,
                                   seed=model.seed if sampler_seed is None else sampler_seed, hooks=hooks,
                                   layer_groups=kv_config.layer_groups, group_attention=kv_config.group_attention,
@@ -73,7 +79,7 @@ class Worker:
                                   microbatches=par.pp_microbatches or par.pipeline_parallel_size)
         # a KV connector (worker/kv_connector.py): its loads and saves before each step's forward pass
         self.kv_connector = make_worker_connector(config.kv_transfer, self.runner.kv_caches, self.runner.layer_groups,
-                                                  kv_config, self.runner)
+                                                  kv_config, self.runner, arena)
         # the rank whose output the executors return (the first of the last stage) drafts for the next step
         self.drafter = None
         if config.speculative is not None and rank == par.output_rank:

@@ -4,6 +4,8 @@
 
 void bind_decode_step(pybind11::module_& m);
 void shm_exchange(torch::Tensor t, torch::Tensor buf, torch::Tensor flags, int64_t rank, int64_t seq, double timeout_s);
+void copy_kv_blocks(const std::vector<torch::Tensor>& srcs, const std::vector<torch::Tensor>& dsts,
+                    torch::Tensor src_idx, torch::Tensor dst_idx);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Tensors in, tensors out: the kernels let go of Python's lock, so other threads of the process run
@@ -67,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scaled_row_max", &scaled_row_max, "out[k, i] = max_j absw[i, j] * cands[k, j] (int8 equalization search)",
         nogil);
 
+  m.def("copy_kv_blocks", &copy_kv_blocks, "block dst_idx[i] of each dsts[p] := block src_idx[i] of srcs[p] (uint8 "
+        "[blocks, bytes] views; one memcpy per block and part)", nogil);
   m.def("shm_exchange", &shm_exchange, "publish t in this rank's shared-memory slot of exchange seq and wait for "
         "every rank's (tensor parallelism on one host)", nogil);
   bind_decode_step(m);
