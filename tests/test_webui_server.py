@@ -125,7 +125,10 @@ def test_dashboard_with_speculation_and_quantized_kv(tiny):
     from turbollm.server.metrics import ServerMetrics
 
     eng = LLMEngine(EngineArgs(model=str(tiny), threads=1, max_num_seqs=2, kv_cache_dtype="int8",
-                               speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+                               # (not adaptive: its step-cost measurement could decide, on a busy machine, that
+                               # drafting does not pay — this test is about the dashboard's figures)
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "adaptive": False}))
     d = Dashboard(eng, ServerMetrics(eng, NAME))
     d.sample(now=1000.0)
     prompt = [1] + [5, 17, 29, 41] * 8  # a repeated pattern for the n-gram proposer to find
