@@ -4,7 +4,7 @@ Checked: the page loads all its files and nothing else (their bytes are printed)
 and the first one is on screen within 100 ms of the API's own TTFT (medians of 3, same prompt length); stop aborts
 the request on the server; regenerate and edit-and-resend; settings reach the request and survive a reload;
 conversations survive a reload, are renamed, deleted, exported and imported; a 200-message conversation keeps
-every frame under 100 ms while a reply streams; the dashboard's counters move without a reload; a narrow window.
+every frame under 100 ms while a reply streams, and the send redraws only the conversation's tail; the dashboard's counters move without a reload; a narrow window.
 What goes wrong, and that these checks can fail: test_webui_failures.py.
 """
 
@@ -196,13 +196,21 @@ def test_long_conversation_stays_responsive(ui, webui_server):
       requestAnimationFrame(tick);
       new PerformanceObserver((l) => { for (const e of l.getEntries()) f.long = Math.max(f.long, e.duration); })
         .observe({type: 'longtask'});
+      const m = window.__redrawn = {added: 0, removed: 0};  // message elements the send, the stream and its end redraw
+      const count = (nodes) => [...nodes].filter((n) => n.classList && n.classList.contains('message')).length;
+      new MutationObserver((rs) => { for (const r of rs) { m.added += count(r.addedNodes); m.removed += count(r.removedNodes); } })
+        .observe(document.getElementById('messages'), {childList: true});
     }""")
     p.send("Write one more note about the fox.")
     p.wait_done(timeout=120)
     f = p.page.evaluate("window.__frames.on = false, window.__frames")
+    redrawn = p.page.evaluate("window.__redrawn")
     toks = p.last_reply().locator("[data-testid=stats]").inner_text()
     print(f"\n200-message conversation, streaming ({toks}): {f['n']} frames, longest {f['max']:.0f} ms, "
-          f"longest task {f['long']:.0f} ms")
+          f"longest task {f['long']:.0f} ms; message elements redrawn {redrawn}")
+    # the page's own work does not grow with the conversation: the send, the reply and its end redraw the tail
+    # (the last message before the new ones, the question, the reply), never the 200 messages above it
+    assert redrawn["added"] <= 8, redrawn
     assert p.last_reply().locator("[data-testid=message-error]").count() == 0, \
         p.last_reply().locator("[data-testid=message-error]").inner_text()
     assert p.page.locator(".message").count() == 202 and f["n"] > 30

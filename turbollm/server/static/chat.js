@@ -186,6 +186,27 @@ export class ChatView {
     } else {
       box.innerHTML = msgs.map((m, i) => this.messageHtml(m, i, i === msgs.length - 1)).join("");
     }
+    box.dataset.conv = this.current && msgs.length ? this.current.id : "";
+    this.afterRender(box);
+  }
+
+  // Redraw the current conversation from message `from` on, and the one before it (its Regenerate button depends
+  // on being last), keeping the elements of everything earlier: a send, a reply's end, a regenerate or an edit in
+  // a 200-message conversation costs what its tail costs, not a redraw of the whole conversation.
+  renderTail(from) {
+    const box = $("messages");
+    const msgs = this.current ? this.current.messages : [];
+    const start = Math.max(0, from - 1);
+    const shown = box.querySelectorAll(".message");
+    const editing = box.querySelector(".edit-box");  // an edit box left open above the tail closes, as before
+    if (!msgs.length || !shown.length || box.dataset.conv !== this.current.id || shown.length < start
+        || (editing && +editing.closest(".message").dataset.index < start)) return this.renderMessages();
+    for (let k = shown.length - 1; k >= 0 && +shown[k].dataset.index >= start; k--) shown[k].remove();
+    box.insertAdjacentHTML("beforeend", msgs.slice(start).map((m, k) => this.messageHtml(m, start + k, start + k === msgs.length - 1)).join(""));
+    this.afterRender(box);
+  }
+
+  afterRender(box) {
     if (this.streaming && this.current && this.streaming.conv === this.current) {
       this.streaming.el = box.querySelector(`.message[data-index="${this.current.messages.indexOf(this.streaming.msg)}"]`);
     }
@@ -233,14 +254,14 @@ export class ChatView {
       m.content = text;
       this.current.messages.length = i + 1;  // what followed the edited message is replaced
       this.store.save();
-      this.renderMessages();
+      this.renderTail(i);
       this.generate(this.current);
     };
     el.querySelector('[data-testid="edit-send"]').addEventListener("click", commit);
-    el.querySelector('[data-testid="edit-cancel"]').addEventListener("click", () => this.renderMessages());
+    el.querySelector('[data-testid="edit-cancel"]').addEventListener("click", () => this.renderTail(i));
     box.addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); commit(); }
-      if (e.key === "Escape") { e.preventDefault(); this.renderMessages(); }
+      if (e.key === "Escape") { e.preventDefault(); this.renderTail(i); }
     });
   }
 
@@ -259,7 +280,7 @@ export class ChatView {
     box.value = "";
     this.store.save();
     this.renderList();
-    this.renderMessages();
+    this.renderTail(c.messages.length - 1);
     this.generate(c);
   }
 
@@ -269,7 +290,7 @@ export class ChatView {
     if (c.messages[c.messages.length - 1].role === "assistant") c.messages.pop();
     if (!c.messages.length) return;
     this.store.save();
-    this.renderMessages();
+    this.renderTail(c.messages.length);
     this.generate(c);
   }
 
@@ -294,7 +315,7 @@ export class ChatView {
     const msg = {role: "assistant", content: ""};
     const body = this.requestBody(c);
     c.messages.push(msg);
-    this.renderMessages();
+    this.renderTail(c.messages.length - 1);
     const controller = new AbortController();
     const st = {conv: c, msg, controller, el: null, dirty: false, frame: 0, lastSave: performance.now()};
     this.streaming = st;
@@ -327,7 +348,7 @@ export class ChatView {
       this.streaming = null;
       this.setBusy(false);
       this.store.save();
-      if (this.current === c) this.renderMessages();
+      if (this.current === c) this.renderTail(c.messages.indexOf(msg));
       this.showStoreProblems();
     }
   }
