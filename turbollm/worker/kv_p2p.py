@@ -134,12 +134,8 @@ class P2PWorker(KVConnectorWorker):
             moved = 0
             for g, pos in enumerate(load.positions):
                 srcs, blocks = sources[g]
-                index = {p: k for k, p in enumerate(header["groups"][g])}
-                missing = [i for i, _ in pos if i not in index]
-                if missing:
-                    raise KVFrameError(f"{name}: no block at position {missing[0]} of group {g}")
-                copy_blocks(srcs, self.targets[g], torch.tensor([blocks[index[i]] for i, _ in pos], dtype=torch.int64),
-                            torch.tensor([b for _, b in pos], dtype=torch.int64))
+                _, src_idx, dst_idx = _block_indices(header, g, pos, name)
+                copy_blocks(srcs, self.targets[g], torch.tensor(blocks, dtype=torch.int64)[src_idx], dst_idx)
                 moved += len(pos) * self.payload_size(g)
                 stats.blocks_loaded += len(pos)
             moved += self._fill_ring(header, np.frombuffer(ring, np.uint8), 0, load, name)
@@ -193,18 +189,13 @@ class P2PWorker(KVConnectorWorker):
             src_all = np.frombuffer(payload, np.uint8)
             at = 0
             for g, pos in enumerate(load.positions):
-                index = {p: k for k, p in enumerate(header["groups"][g])}
-                missing = [i for i, _ in pos if i not in index]
-                if missing:
-                    raise KVFrameError(f"{name}: no block at position {missing[0]} of group {g}")
-                src_idx = torch.tensor([index[i] for i, _ in pos], dtype=torch.int64)
-                dst_idx = torch.tensor([b for _, b in pos], dtype=torch.int64)
+                count, src_idx, dst_idx = _block_indices(header, g, pos, name)
                 srcs = []
                 for t in self.targets[g]:
-                    n = len(index) * t.shape[1]
+                    n = count * t.shape[1]
                     if at + n > src_all.size:
                         raise KVFrameError(f"{name}: short payload")
-                    srcs.append(torch.from_numpy(src_all[at:at + n]).view(len(index), t.shape[1]))
+                    srcs.append(torch.from_numpy(src_all[at:at + n]).view(count, t.shape[1]))
                     at += n
                 copy_blocks(srcs, self.targets[g], src_idx, dst_idx)
                 stats.blocks_loaded += len(pos)
@@ -238,3 +229,15 @@ class P2PWorker(KVConnectorWorker):
             self.in_buf = bytearray(n)
         self.in_buf[:n] = r.content
         return memoryview(self.in_buf)[:n]
+
+
+def _block_indices(header: dict, g: int, pos, name: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """For KV group `g`: how many blocks the hand-off holds, and for each wanted (position, own block) pair the
+    index of the position's block among the hand-off's and the block it is copied into; a position the hand-off
+    lacks is refused."""
+    index = {p: k for k, p in enumerate(header["groups"][g])}
+    missing = [i for i, _ in pos if i not in index]
+    if missing:
+        raise KVFrameError(f"{name}: no block at position {missing[0]} of group {g}")
+    return (len(index), torch.tensor([index[i] for i, _ in pos], dtype=torch.int64),
+            torch.tensor([b for _, b in pos], dtype=torch.int64))
