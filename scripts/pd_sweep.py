@@ -3,10 +3,13 @@ item 6): the Azure conversation trace replayed at several speeds against each se
 
     python scripts/pd_sweep.py [--model smollm2-135m] [--speedups 0.5 1 2 3] [--num-prompts 60]
         [--max-input-len 8192] [--max-output-len 1024] [--slo-itl-ms 100] [--slo-ttft-ms MS]
+        [--chunks 256 ...] [--setups one pd chunks]
         [--plot docs/pd_sweep_smollm2.png] [--json out.json]
 
-Setups: `turbollm serve MODEL` (every core of this process's affinity, chunked prefill) and `turbollm serve MODEL
---disaggregate 1:1` (a prefill and a decode instance, the cores split between them, behind the proxy). Each is
+Setups: `turbollm serve MODEL` (every core of this process's affinity, chunked prefill), `turbollm serve MODEL
+--disaggregate 1:1` (a prefill and a decode instance, the cores split between them, behind the proxy), and with
+`--chunks N` one instance whose prefill chunk is N tokens (`--max-num-batched-tokens N`: shorter stalls for the
+decoding requests, at a cost in prefill speed). Each is
 started, warmed by one untimed replay at the slowest speed (a fresh server's first pages cost far more than its
 steady state on this VM), then measured by `turbollm bench serve --dataset azure --trace-speedup ...` (one run per
 speed; lengths as the trace gives them unless capped). Printed per setup and rate: completed req/s, TTFT and ITL
@@ -94,6 +97,10 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--slo-ttft-ms", type=float, default=None, help="(default: none — goodput under the ITL SLO)")
     ap.add_argument("--slo-itl-ms", type=float, default=100)
+    ap.add_argument("--chunks", type=int, nargs="*", default=[],
+                    help="also one instance with --max-num-batched-tokens N (a smaller prefill chunk), per N")
+    ap.add_argument("--setups", nargs="+", choices=["one", "pd", "chunks"], default=["one", "pd", "chunks"],
+                    help="which setups to run (default: all)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
@@ -103,8 +110,13 @@ def main() -> None:
           f"output <= {ns.max_output_len} tokens; SLO: mean ITL {ns.slo_itl_ms:.0f} ms"
           + (f", TTFT {ns.slo_ttft_ms:.0f} ms" if ns.slo_ttft_ms else ""))
     tmp = Path(tempfile.mkdtemp(prefix="pd-sweep-"))
-    setups = {f"one instance ({cores} threads)": [ns.model, "--threads", str(cores)],
-              "1P1D (1 core each)": [ns.model, "--disaggregate", "1:1"]}
+    one_name, pd_name = f"one instance ({cores} threads)", "1P1D (1 core each)"
+    setups = {one_name: [ns.model, "--threads", str(cores)]} if "one" in ns.setups else {}
+    if "pd" in ns.setups:
+        setups[pd_name] = [ns.model, "--disaggregate", "1:1"]
+    for n in ns.chunks if "chunks" in ns.setups else []:
+        setups[f"one instance ({cores} threads, chunk {n})"] = [ns.model, "--threads", str(cores),
+                                                                "--max-num-batched-tokens", str(n)]
     results: dict[str, list[dict]] = {}
     moved = {}
     for i, (name, args) in enumerate(setups.items()):
@@ -128,16 +140,18 @@ def main() -> None:
             print(f"| {name} | {s['trace_speedup']} | {s['request_rate']:.2f} | {s['request_throughput']:.2f} | "
                   f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | {i['p50']:.0f} / {i['p90']:.0f} / "
                   f"{i['p99']:.0f} | {s['goodput']:.2f} |")
-    one, pd = results.values()
-    print("\n1P1D / one instance at each rate: " + "; ".join(
-        f"x{a['trace_speedup']}: ITL p99 {b['itl_ms']['p99'] / a['itl_ms']['p99']:.2f}, TTFT p99 "
-        f"{b['ttft_ms']['p99'] / a['ttft_ms']['p99']:.2f}, goodput {b['goodput']:.2f} vs {a['goodput']:.2f}"
-        for a, b in zip(one, pd)))
+    pd = results.get(pd_name)
+    for name, one in results.items() if pd else []:
+        if name != pd_name:
+            print(f"\n1P1D / {name} at each rate: " + "; ".join(
+                f"x{a['trace_speedup']}: ITL p99 {b['itl_ms']['p99'] / a['itl_ms']['p99']:.2f}, TTFT p99 "
+                f"{b['ttft_ms']['p99'] / a['ttft_ms']['p99']:.2f}, goodput {b['goodput']:.2f} vs {a['goodput']:.2f}"
+                for a, b in zip(one, pd)))
     if moved:
         nbytes = moved.get("turbollm_proxy:instance_kv_bytes_loaded_total", 0.0)
         secs = moved.get("turbollm_proxy:instance_kv_load_seconds_total", 0.0)
         blocks = moved.get("turbollm_proxy:instance_kv_blocks_loaded_total", 0.0)
-        prompt_tokens = sum(s["prompt_tokens"] for s in pd)
+        prompt_tokens = sum(s["prompt_tokens"] for s in results[pd_name])
         print(f"hand-offs during the sweep: {moved.get('turbollm_proxy:instance_kv_bundles_received_total', 0):.0f} "
               f"received, {blocks:.0f} blocks, {nbytes / 2**20:.1f} MiB = {nbytes / max(prompt_tokens, 1):.0f} bytes "
               f"per prompt token, loaded in {secs:.3f} s ({nbytes / secs / 1e9 if secs else 0:.2f} GB/s), "
@@ -145,7 +159,7 @@ def main() -> None:
               f"{moved.get('turbollm_proxy:instance_kv_handoffs_expired_total', 0):.0f}")
         n = moved.get("turbollm_proxy:instance_kv_bundles_received_total", 0.0)
         if n:  # the step that loads a prompt's blocks is longer by the load: against a decode step (ITL p50)
-            itl = sorted(s["itl_ms"]["p50"] for s in pd)[len(pd) // 2]
+            itl = sorted(s["itl_ms"]["p50"] for s in pd)[len(pd) // 2]  # (pd: 1P1D's runs)
             print(f"a hand-off's load: {1000 * secs / n:.2f} ms on average = {100 * secs / n * 1000 / itl:.1f}% of a "
                   f"decode step (the decode instance's median ITL p50, {itl:.0f} ms)")
     if ns.json:

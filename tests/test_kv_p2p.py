@@ -196,6 +196,25 @@ def test_the_producer_holds_the_blocks_until_taken_or_expired(tiny, tmp_path):
         producer.engine.shutdown()
 
 
+def test_an_idle_server_frees_the_blocks_taken(tiny, tmp_path):
+    """With no request after the hand-off, the serving wrapper's idle worker still frees the blocks the consumer
+    took (the held-blocks gauge does not stay up until the next request)."""
+    from turbollm.entrypoints.async_engine import IDLE_POLL_S, AsyncLLMEngine
+
+    with _pair(tiny["llama"], tmp_path) as (producer, consumer):
+        (h,) = _prefill(producer, PROMPTS[:1])
+        served = AsyncLLMEngine(producer.engine)
+        try:
+            assert producer.engine.stats()["kv_blocks_held"] > 0
+            _decode(consumer, PROMPTS[:1], [h])
+            deadline = time.monotonic() + 10 * IDLE_POLL_S
+            while producer.engine.stats()["kv_blocks_held"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert producer.engine.stats()["kv_blocks_held"] == 0
+        finally:
+            served.shutdown_sync(timeout=30)
+
+
 def test_a_claim_held_past_the_deadline_is_broken_and_the_copy_refused(tiny, tmp_path):
     """A consumer that claimed a hand-off and did not release it (died, or hung, mid-copy): past twice the timeout
     the producer deletes the claim and frees the blocks; a consumer that finishes after that refuses its copy."""

@@ -85,6 +85,12 @@ class KVConnectorScheduler:
         consumer has copied)."""
 
     @property
+    def holding(self) -> bool:
+        """Blocks are held for the outside (a p2p producer's hand-offs not yet taken): `poll` has work even while no
+        request runs."""
+        return False
+
+    @property
     def busy(self) -> bool:
         """Work for the workers is waiting (the engine runs a step for it even with no request left)."""
         return bool(self.loads or self.saves or self.sends or self.remote_loads)
@@ -237,6 +243,10 @@ class P2PScheduler(KVConnectorScheduler):
                                  token_digest(seq.token_slice(0, n)), ring_slot))
         seq.kv_transfer_out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_bundle": path,
                                "remote_num_tokens": n}
+
+    @property
+    def holding(self) -> bool:
+        return bool(self.holds)
 
     def step_done(self, meta: KVTransferMeta) -> None:
         sent = {s.path for s in meta.sends}

@@ -301,6 +301,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._given)
 
+    def poll_kv_connector(self) -> bool:
+        """Between requests: finish what the outside finished (a p2p producer frees the blocks consumers took, or
+        that expired), as each schedule does; whether blocks are still held, so that an idle server polls again."""
+        c = self.kv_manager.connector
+        if c is None:
+            return False
+        c.poll()
+        return c.holding
+
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Hand out steps until the executor has `max_steps_in_flight` (1, or a pipeline's stages) or nothing

@@ -47,6 +47,9 @@ from turbollm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.5  # how often an idle worker frees a p2p producer's blocks that consumers took or let expire
+
+
 class EngineDeadError(RuntimeError):
     """The async engine is shut down (or its worker stopped after an unrecoverable error)."""
 
@@ -195,7 +198,9 @@ class AsyncLLMEngine:
             if not busy and self._draining:
                 return
             try:
-                cmd = self._cmds.get(block=not busy)
+                # idle with blocks held for decode instances: wake now and then to free those taken or expired
+                holding = not busy and engine.poll_kv_connector()
+                cmd = self._cmds.get(block=not busy, timeout=IDLE_POLL_S if holding else None)
                 while True:
                     if self._handle(cmd):
                         return
