@@ -4,7 +4,8 @@ Checked: the page loads all its files and nothing else (their bytes are printed)
 and the first one is on screen within 100 ms of the API's own TTFT (medians of 3, same prompt length); stop aborts
 the request on the server; regenerate and edit-and-resend; settings reach the request and survive a reload;
 conversations survive a reload, are renamed, deleted, exported and imported; a 200-message conversation keeps
-every frame under 100 ms while a reply streams, and the send redraws only the conversation's tail; the dashboard's counters move without a reload; a narrow window.
+every frame under 100 ms while a reply streams, and the send redraws only the conversation's tail; the dashboard's
+counters move without a reload; a narrow window.
 What goes wrong, and that these checks can fail: test_webui_failures.py.
 """
 
