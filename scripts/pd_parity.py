@@ -15,35 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _start(args: list[str], port: int, command: str = "serve") -> subprocess.Popen:
-    from turbollm.cli.proxy_cmd import wait_for_instances
-
-    extra = ["--no-webui"] if command == "serve" else []
-    proc = subprocess.Popen([sys.executable, "-m", "turbollm", command, *args, "--port", str(port), *extra,
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_instances({"serve": [f"http://127.0.0.1:{port}"]}, 900)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+from serve_procs import metric_sums, start, stop  # noqa: E402  (scripts/serve_procs.py)
 
 
 def _answers(port: int, model: str, prompts: list[str]) -> list[tuple[str, list[str]]]:
@@ -58,8 +36,7 @@ def _answers(port: int, model: str, prompts: list[str]) -> list[tuple[str, list[
 
 
 def _metric(port: int, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
+    return metric_sums(port, name).get(name, 0.0)
 
 
 def main() -> None:
@@ -76,17 +53,17 @@ def main() -> None:
     for model in ns.models:
         for kv in ns.kv:
             flags = [model, "--kv-cache-dtype", kv]
-            single = _start(flags, 8201)
+            single = start(flags, 8201)
             try:
                 want = _answers(8201, model, prompts)
             finally:
-                _stop(single)
+                stop(single)
             procs = []
             try:
                 for role, port in (("kv_producer", 8203), ("kv_consumer", 8204)):
-                    procs.append(_start(flags + ["--threads", "1", "--kv-transfer-config", json.dumps(
+                    procs.append(start(flags + ["--threads", "1", "--kv-transfer-config", json.dumps(
                         {"kv_connector": "p2p", "kv_role": role})], port))
-                procs.append(_start(["--prefill", "http://127.0.0.1:8203", "--decode", "http://127.0.0.1:8204"], 8202,
+                procs.append(start(["--prefill", "http://127.0.0.1:8203", "--decode", "http://127.0.0.1:8204"], 8202,
                                     "proxy"))
                 rounds, loaded, hits = [], [], []
                 for _ in range(2):
@@ -98,7 +75,7 @@ def main() -> None:
                 remote = _metric(8202, "turbollm_proxy:prefilled_remotely_total")
             finally:
                 for p in reversed(procs):
-                    _stop(p)
+                    stop(p)
             for r, got in enumerate(rounds):
                 tok = sum(g[1] == w[1] for g, w in zip(got, want))
                 text = sum(g[0] == w[0] for g, w in zip(got, want))

@@ -26,40 +26,17 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def start(args: list[str], port: int) -> subprocess.Popen:
-    from turbollm.cli.proxy_cmd import wait_for_instances
-
-    proc = subprocess.Popen([sys.executable, "-m", "turbollm", "serve", *args, "--port", str(port), "--no-webui",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_instances({"serve": [f"http://127.0.0.1:{port}"]}, 900)
-        time.sleep(2 if "--disaggregate" in args else 0)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+from serve_procs import metric_sums, start, stop  # noqa: E402  (scripts/serve_procs.py)
 
 
 def bench(port: int, ns, speedups: list[float], out: Path, seed: int = 0) -> list[dict]:
@@ -73,16 +50,6 @@ def bench(port: int, ns, speedups: list[float], out: Path, seed: int = 0) -> lis
            "--trace-speedup", *map(str, speedups), "--json", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["results"]
-
-
-def metric_sum(port: int, prefix: str) -> dict[str, float]:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(prefix) and not line.startswith("#"):
-            name = line.split("{")[0].split()[0]
-            out[name] = out.get(name, 0.0) + float(line.split()[-1])
-    return out
 
 
 def main() -> None:
@@ -121,13 +88,13 @@ def main() -> None:
     moved = {}
     for i, (name, args) in enumerate(setups.items()):
         port = 8400 + i
-        proc = start(args, port)
+        proc = start(args, port, settle=2 if "--disaggregate" in args else 0)
         try:
             bench(port, ns, [min(ns.speedups)], tmp / "warm.json", seed=1000)  # warm-up replay, not shown
-            before = metric_sum(port, "turbollm_proxy:instance_kv_") if "--disaggregate" in args else {}
+            before = metric_sums(port, "turbollm_proxy:instance_kv_") if "--disaggregate" in args else {}
             results[name] = bench(port, ns, ns.speedups, tmp / f"{i}.json")
             if "--disaggregate" in args:
-                after = metric_sum(port, "turbollm_proxy:instance_kv_")
+                after = metric_sums(port, "turbollm_proxy:instance_kv_")
                 moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         finally:
             stop(proc)

@@ -278,13 +278,13 @@ class P2PScheduler(KVConnectorScheduler):
                 os.rename(h.path, h.path + EXPIRED)
             except FileNotFoundError:  # claimed just now
                 return False
-            _unlink(h.path + EXPIRED)
+            Path(h.path + EXPIRED).unlink(missing_ok=True)
             self.stats["kv_handoffs_expired"] += 1
             return True
         if os.path.exists(taking):
             if now < h.deadline + self.config.kv_timeout:
                 return False
-            _unlink(taking)
+            Path(taking).unlink(missing_ok=True)
             self.stats["kv_handoffs_expired"] += 1
         return True
 
@@ -306,13 +306,6 @@ class P2PScheduler(KVConnectorScheduler):
         taking = claim(path)
         if taking is not None:
             finish(taking)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 #: kv_connector -> its scheduler half

@@ -43,6 +43,11 @@ def _round(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a contiguous tensor of `shape` and `dtype` (what `SharedArena.tensor` takes of the file)."""
+    return math.prod(shape) * dtype.itemsize
+
+
 class SharedArena:
     """One shared-memory file holding tensors at page-aligned offsets (a worker's K/V pool)."""
 
@@ -58,8 +63,7 @@ class SharedArena:
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next zeroed tensor of `shape` in the file."""
-        count = math.prod(shape)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        count, nbytes = math.prod(shape), tensor_bytes(shape, dtype)
         assert self.at + nbytes <= self.size, "shared arena: more tensors than reserved"
         t = self.base[self.at:self.at + nbytes].view(dtype).view(shape) if count else torch.zeros(shape, dtype=dtype)
         self.at += _round(nbytes)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
-import torch
-
 from turbollm.attention.kv_storage import LayerKVCache
 from turbollm.handoff.kv_cache_spec import KVCacheConfig
-from turbollm.kv_transfer.shared_pool import SharedArena
+from turbollm.kv_transfer.shared_pool import SharedArena, tensor_bytes
 
 
 def allocate_kv_storage(config: KVCacheConfig, layers: range | None = None,
@@ -25,8 +21,7 @@ def allocate_shared_kv_storage(config: KVCacheConfig,
                                layers: range | None = None) -> tuple[list[LayerKVCache | None], SharedArena]:
     """`allocate_kv_storage` in one shared-memory file, returned beside the layers: a prefill instance's pool,
     which decode instances on this host copy blocks straight out of (kv_transfer/shared_pool.py)."""
-    arena = SharedArena([math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                         for _, layout, n in _layers(config, layers)
+    arena = SharedArena([tensor_bytes(shape, dtype) for _, layout, n in _layers(config, layers)
                          for shape, dtype in layout.format.storage_shapes(n, *layout.block_shape).values()])
     return allocate_kv_storage(config, layers, arena), arena
 
