@@ -8,7 +8,7 @@ after the build), and every step's time and shape. Step time is compared two way
 measured step's own shape (sum of predictions / sum of measured times, and the median per-step error), and
 the simulated run's length against the measured run's.
 
-    .venv/bin/python scripts/plan_check.py [--models smollm2-135m qwen2.5-coder-0.5b] [--json out.json]
+    .venv/bin/python scripts/plan_check.py [--models smollm2-135m qwen2.5-coder-0.5b] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def measure(spec: dict) -> dict:
                       for r in rec.records if r.new_lens]}
 
 
-def run_config(model: str, kv: str, label: str, extra: dict, workload: str, num: int) -> dict:
+def run_config(model: str, kv: str, label: str, extra: dict, workload: str, num: int, repeats: int = 1) -> dict:
     from turbollm.engine_args import EngineArgs
     from turbollm.loader.model_loader import describe_model
     from turbollm.planner.cost_model import StepShape
@@ -93,22 +93,29 @@ def run_config(model: str, kv: str, label: str, extra: dict, workload: str, num:
     # a text workload's own token ids, else the prompt lengths (random ids in the measuring process)
     reqs = [[list(wl.prompts[i]) if wl.prompts else it.prompt_len, it.output_len] for i, it in enumerate(wl.items)]
     spec = {"args": dataclasses.asdict(args), "requests": reqs}
-    proc = subprocess.run([sys.executable, __file__, "--measure", json.dumps(spec)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"measurement failed for {model} {kv} {label}:\n{proc.stderr[-3000:]}")
-    m = json.loads(proc.stdout.strip().splitlines()[-1])
-    pred, meas, errs = 0.0, 0.0, []
-    for new, comp, sec in m["steps"]:
-        p = prof.cost.predict(StepShape(tuple(new), tuple(comp)))
-        pred, meas = pred + p, meas + sec
-        errs.append(abs(p - sec) / sec)
+    runs = []
+    for _ in range(repeats):  # each run a fresh process; the row reports the run of median step-time ratio
+        proc = subprocess.run([sys.executable, __file__, "--measure", json.dumps(spec)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"measurement failed for {model} {kv} {label}:\n{proc.stderr[-3000:]}")
+        m = json.loads(proc.stdout.strip().splitlines()[-1])
+        pred, meas, errs = 0.0, 0.0, []
+        for new, comp, sec in m["steps"]:
+            p = prof.cost.predict(StepShape(tuple(new), tuple(comp)))
+            pred, meas = pred + p, meas + sec
+            errs.append(abs(p - sec) / sec)
+        runs.append((pred / meas, pred, meas, m, errs))
+    runs.sort(key=lambda r: r[0])
+    ratios = [round(r[0], 3) for r in runs]
+    _, pred, meas, m, errs = runs[len(runs) // 2]
     mem = plan.memory
     return {"model": model, "kv": kv, "setting": label, "args": extra, "workload": workload, "requests": num,
             "pred_peak_MiB": round(mem.workload_total / 2**20, 1), "meas_peak_MiB": round(m["serving_peak"] / 2**20, 1),
             "mem_ratio": round(mem.workload_total / m["serving_peak"], 3),
             "pred_built_MiB": round((mem.base + mem.model_runtime + mem.weights) / 2**20, 1),
             "meas_built_MiB": round(m["built"] / 2**20, 1),
-            "steps": len(m["steps"]), "step_sum_ratio": round(pred / meas, 3),
+            "steps": len(m["steps"]), "step_sum_ratio": round(pred / meas, 3), "step_sum_ratios": ratios,
             "step_median_err": round(statistics.median(errs), 3),
             "pred_wall_s": round(plan.sim.duration, 2), "meas_wall_s": round(m["wall"], 2),
             "wall_ratio": round(plan.sim.duration / m["wall"], 3), "first_touch_gbps": round(m["first_touch_gbps"], 2)}
@@ -119,6 +126,9 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     ap.add_argument("--settings", nargs="+", default=[s[0] for s in SETTINGS])
     ap.add_argument("--json", default=None, help="write the rows here too")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure each configuration this many times (fresh processes); the row shows the run "
+                         "of median step-time ratio and the spread")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.measure:
@@ -131,19 +141,22 @@ def main() -> int:
 
     print(f"# plan_check {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}; torch threads "
           f"{torch.get_num_threads()}; CPU: {cpu_name()}")
+    print(f"# {ns.repeats} run(s) per configuration" + (": the row is the run of median Σpred/Σmeas, its range "
+          "beside it" if ns.repeats > 1 else ""))
     print("| model | K/V | setting | workload | pred. peak MiB | meas. peak MiB | ratio | steps | Σpred/Σmeas step "
-          "| median step err | sim. run s | meas. run s | ratio | first touch GB/s |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| range | median step err | sim. run s | meas. run s | ratio | first touch GB/s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     rows = []
     for model in ns.models:
         for kv in KV_DTYPES:
             for label, extra, workload, num in SETTINGS:
                 if label not in ns.settings:
                     continue
-                r = run_config(model, kv, label, extra, workload, num)
+                r = run_config(model, kv, label, extra, workload, num, ns.repeats)
                 rows.append(r)
                 print(f"| {model} | {kv} | {label} {_args(extra)} | {workload} x{num} | {r['pred_peak_MiB']} | "
                       f"{r['meas_peak_MiB']} | {r['mem_ratio']} | {r['steps']} | {r['step_sum_ratio']} | "
+                      f"{r['step_sum_ratios'][0]}-{r['step_sum_ratios'][-1]} | "
                       f"{100 * r['step_median_err']:.1f}% | {r['pred_wall_s']} | {r['meas_wall_s']} | "
                       f"{r['wall_ratio']} | {r['first_touch_gbps']} |", flush=True)
     mem_ok = sum(abs(r["mem_ratio"] - 1) <= 0.10 for r in rows)
