@@ -72,6 +72,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     from turbollm.engine.llm_engine import LLMEngine
     from turbollm.entrypoints.async_engine import AsyncLLMEngine
+    from turbollm.gc_heap import freeze_startup_heap
     from turbollm.server.app import ServerSettings, build_app
 
     _Server = _server_class()
@@ -91,6 +92,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                               max_request_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,
                               webui=ns.webui)
     app = build_app(aengine, settings)
+    freeze_startup_heap()  # full GC passes while serving skip the engine's start-up objects
     # uvicorn's own timeout is a backstop: at --shutdown-timeout the engine aborts what is
     # left, so every open stream ends with finish_reason "abort" and [DONE].
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,

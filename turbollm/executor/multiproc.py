@@ -62,6 +62,9 @@ def _worker_main(conn, config, kv_config, rank=0, init_method=None, sampler_seed
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", 0, traceback.format_exc()))
         return
+    from turbollm.gc_heap import freeze_startup_heap
+
+    freeze_startup_heap()  # this process is the worker's alone: full GC passes skip its start-up objects
     conn.send(("ready", 0, worker.footprint()))
     try:
         _serve(conn, worker)
