@@ -105,10 +105,10 @@ def run_config(model: str, kv: str, label: str, extra: dict, workload: str, num:
             p = prof.cost.predict(StepShape(tuple(new), tuple(comp)))
             pred, meas = pred + p, meas + sec
             errs.append(abs(p - sec) / sec)
-        runs.append((pred / meas, pred, meas, m, errs))
-    runs.sort(key=lambda r: r[0])
-    ratios = [round(r[0], 3) for r in runs]
-    _, pred, meas, m, errs = runs[len(runs) // 2]
+        runs.append((pred, meas, m, errs))
+    runs.sort(key=lambda r: r[0] / r[1])
+    ratios = [round(pred / meas, 3) for pred, meas, _, _ in runs]
+    pred, meas, m, errs = runs[len(runs) // 2]
     mem = plan.memory
     return {"model": model, "kv": kv, "setting": label, "args": extra, "workload": workload, "requests": num,
             "pred_peak_MiB": round(mem.workload_total / 2**20, 1), "meas_peak_MiB": round(m["serving_peak"] / 2**20, 1),

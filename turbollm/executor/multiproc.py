@@ -41,6 +41,7 @@ from collections import deque
 from turbollm.distributed.shm_comm import ShmFiles
 from turbollm.distributed.tensor_parallel import ACTIVE_CPU_S, STEP_TIMEOUT_S
 from turbollm.executor.base import Executor, ExecutorError, WorkerDiedError
+from turbollm.gc_heap import freeze_startup_heap
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.procfs import CLOCK_TICKS, cpu_ticks, proc_state
@@ -62,8 +63,6 @@ def _worker_main(conn, config, kv_config, rank=0, init_method=None, sampler_seed
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", 0, traceback.format_exc()))
         return
-    from turbollm.gc_heap import freeze_startup_heap
-
     freeze_startup_heap()  # this process is the worker's alone: full GC passes skip its start-up objects
     conn.send(("ready", 0, worker.footprint()))
     try:
