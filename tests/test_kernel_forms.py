@@ -4,11 +4,13 @@
   is refused by name, with the forms it can.
 - Repacking (csrc/quant_repack.cpp) rearranges each type's bits within the same bytes: unpacking gives
   the GGML rows back bit for bit, on any CPU.
-- avx512_vnni (where the CPU runs it): the tile kernels equal ``q8_linear_ref`` (one or two int8
-  levels in blocks of 32) for every repacked type and row count; dequantizing and looking rows up
-  from a repacked weight is bit-exact with the GGML decoders; a row's product is the same bits
-  alone as among 64 (row invariance at any batch size); its object file defines nothing outside
-  its own namespace, so no inline function compiled for AVX-512 can stand in for another's.
+- avx2_tiles (every CPU) and avx512_vnni (where the CPU runs it): the tile kernels equal ``q8_linear_ref``
+  (one or two int8 levels in blocks of 32) for every repacked type and row count, with every code at
+  its extreme too (no int16 sum of the AVX2 form saturates); dequantizing and looking rows up from a
+  repacked weight is bit-exact with the GGML decoders; a row's product is the same bits alone as among
+  64 (row invariance at any batch size); where both run, the two forms give the same bits; the AVX-512
+  object file defines nothing outside its own namespace, so no inline function compiled for AVX-512 can
+  stand in for another's.
 - `set_kernel_form` repacks a model's weights and restores them bit for bit.
 The avx2 form's kernels are tested by tests/test_quant_kernels.py on every CPU.
 """
@@ -34,6 +36,8 @@ from turbollm.kernels.random_weights import random_weight
 
 needs_kernels = pytest.mark.usefixtures("needs_kernels")
 REPACKED = [T[name] for name in F.REPACKED_TYPES]
+#: the forms whose tile kernels take any number of rows (amx: tested against avx512_vnni below)
+TILE_FORMS = ["avx2_tiles", "avx512_vnni"]
 VNNI512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 
 
@@ -51,7 +55,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @needs_kernels
 def test_forms_follow_the_cpu():
     forms = F.runnable_forms()
-    assert forms[0] == "avx2"
+    assert forms[:2] == ("avx2", "avx2_tiles")
     assert ("avx512_vnni" in forms) == cpu_runs_vnni512()
     assert ("amx" not in forms) or "avx512_vnni" in forms
     assert F.resolve_form(None) == ("avx512_vnni" if cpu_runs_vnni512() else "avx2")
@@ -83,15 +87,24 @@ def test_repacking_is_a_permutation(qtype):
         mod.repack(w[:40], int(qtype), k)
 
 
+def tile_form(form: str) -> int:
+    """The repacked base of `form`, skipping the test where this CPU cannot run the form (compiling it is
+    not testing it)."""
+    if form not in F.runnable_forms():
+        pytest.skip(f"this CPU does not run the {form} form")
+    return F.REPACKING_FORMS[form]
+
+
 @needs_kernels
-@vnni512
+@pytest.mark.parametrize("form", TILE_FORMS)
 @pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
-def test_vnni512_tiles_against_the_reference(qtype):
+def test_tiles_against_the_reference(form, qtype):
+    base = tile_form(form)
     g = torch.Generator().manual_seed(100 + int(qtype))
     n, k = 64, 512
     w = random_weight(qtype, n, k, g)
-    r, rt = Q.repack(w, int(qtype), k)
-    assert rt == Q.REPACKED_BASE + int(qtype)
+    r, rt = Q.repack(w, int(qtype), k, base)
+    assert rt == base + int(qtype)
     wd = dequantize(w, qtype, (n, k))
     assert torch.equal(Q.ggml_dequantize(r, rt, k), wd)
     ids = torch.tensor([[0, 17, 63], [5, 5, 40]])
@@ -105,44 +118,67 @@ def test_vnni512_tiles_against_the_reference(qtype):
 
 
 @needs_kernels
-@vnni512
+@pytest.mark.parametrize("form", TILE_FORMS)
 @pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
 @pytest.mark.parametrize("path", ["fast", "auto"])
-def test_vnni512_rows_alone_equal_rows_among_64(qtype, path):
+def test_rows_alone_equal_rows_among_64(form, qtype, path):
+    base = tile_form(form)
     g = torch.Generator().manual_seed(7)
     k = 512 if qtype >= T.Q2_K else 96
-    r, rt = Q.repack(random_weight(qtype, 48, k, g), int(qtype), k)
+    r, rt = Q.repack(random_weight(qtype, 48, k, g), int(qtype), k, base)
     x = torch.randn(64, k, generator=g) * torch.rand(64, 1, generator=g) * 4
     together = Q.ggml_linear(x, r, rt, k, path=path)
     for i in range(64):
         assert torch.equal(Q.ggml_linear(x[i:i + 1], r, rt, k, path=path)[0], together[i]), i
 
 
-#: the fp16 fields (scale, min) of a block, as byte offsets, set to 1.0 in the extreme rows
-FP16_FIELDS = {T.Q8_0: (34, [0]), T.Q4_K: (144, [0, 2]), T.Q6_K: (210, [208])}
+#: per type: bytes per block, the byte offsets of its fp16 fields (scale, min), set to 1.0, and the byte its
+#: codes (and scale bytes) are filled with: every code at its largest, Q8_0's int8 codes at +127 and -128
+EXTREMES = {"Q4_0": (18, [0], 0xFF), "Q4_1": (20, [0, 2], 0xFF), "Q5_0": (22, [0], 0xFF), "Q5_1": (24, [0, 2], 0xFF),
+            "Q8_0+": (34, [0], 0x7F), "Q8_0-": (34, [0], 0x80), "Q4_K": (144, [0, 2], 0xFF),
+            "Q5_K": (176, [0, 2], 0xFF), "Q6_K": (210, [208], 0xFF)}
 
 
 @needs_kernels
-@vnni512
-@pytest.mark.parametrize("qtype", list(FP16_FIELDS), ids=lambda t: t.name)
-def test_vnni512_integer_sums_at_the_extremes(qtype):
-    """Every code, scale and min byte at its largest (0x7F for Q8_0's int8 codes, 0xFF elsewhere) against
-    activations at +/-127: the int32 sums and the offsets stay exact."""
-    nbytes, fields = FP16_FIELDS[qtype]
+@pytest.mark.parametrize("form", TILE_FORMS)
+@pytest.mark.parametrize("case", list(EXTREMES))
+def test_integer_sums_at_the_extremes(form, case):
+    """Every code, scale and min byte at its largest (Q8_0's int8 codes at +127 and at -128) against
+    activations at +/-127: the int32 sums and the offsets stay exact (avx2_tiles: no int16 sum saturates)."""
+    base = tile_form(form)
+    qtype = T[case.rstrip("+-")]
+    nbytes, fields, fill = EXTREMES[case]
     n, k = 16, 1024
-    w = torch.full((n, k // (32 if qtype == T.Q8_0 else 256) * nbytes), 0x7F if qtype == T.Q8_0 else 0xFF,
-                   dtype=torch.uint8)
+    w = torch.full((n, k // (256 if qtype >= T.Q2_K else 32) * nbytes), fill, dtype=torch.uint8)
     blocks = w.view(n, -1, nbytes)
     for off in fields:
         blocks[:, :, off], blocks[:, :, off + 1] = 0x00, 0x3C  # fp16 1.0
     if qtype == T.Q6_K:
         blocks[:, :, 192:208] = 0x7F  # int8 scales at +127
     wd = dequantize(w, qtype, (n, k))
-    r, rt = Q.repack(w, int(qtype), k)
+    r, rt = Q.repack(w, int(qtype), k, base)
     x = torch.full((4, k), 10.0)
     x[1], x[2, ::2] = -10.0, -10.0
     for path, levels in (("fast", 1), ("auto", 2)):
         assert rel_err(Q.ggml_linear(x, r, rt, k, path=path), q8_linear_ref(x, wd, 32, levels)) < 1e-5
+
+
+@needs_kernels
+@vnni512
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
+def test_avx2_tiles_give_the_bits_of_the_vnni512_form(qtype):
+    """Exact integer sums and the same float steps lane for lane: the avx2_tiles form's rows are the
+    avx512_vnni form's bits, both paths."""
+    g = torch.Generator().manual_seed(13)
+    k = 512
+    w = random_weight(qtype, 32, k, g)
+    rv, tv = Q.repack(w, int(qtype), k, Q.REPACKED_BASE)
+    r2, t2 = Q.repack(w, int(qtype), k, Q.REPACKED_AVX2_BASE)
+    assert torch.equal(r2, rv) and t2 == Q.REPACKED_AVX2_BASE + int(qtype)
+    for m in (1, 8, 37):
+        x = torch.randn(m, k, generator=g)
+        for path in ("fast", "auto"):
+            assert torch.equal(Q.ggml_linear(x, r2, t2, k, path=path), Q.ggml_linear(x, rv, tv, k, path=path)), (m, path)
 
 
 @needs_kernels
@@ -190,21 +226,22 @@ def test_wide_target_objects_define_nothing_outside_their_namespaces():
 
 
 @needs_kernels
-@vnni512
-def test_set_kernel_form_repacks_and_restores(tmp_path):
+@pytest.mark.parametrize("form", TILE_FORMS)
+def test_set_kernel_form_repacks_and_restores(tmp_path, form):
     from test_gguf_native import write_tiny_gguf
     from turbollm.loader import load_model
     from turbollm.quantization.base import set_kernel_form
 
+    base = tile_form(form)
     loaded = load_model(str(write_tiny_gguf(tmp_path / "tiny.gguf")))
     model = loaded.model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     version = model.weights_version
-    assert set_kernel_form(model, "avx512_vnni")
+    assert set_kernel_form(model, form)
     assert model.weights_version == version + 1
     types = {int(getattr(p, "ggml_qtype", -1)) for p in model.parameters()}
-    assert {Q.REPACKED_BASE + int(T.Q4_0), Q.REPACKED_BASE + int(T.Q8_0)} <= types
-    assert not set_kernel_form(model, "avx512_vnni")  # already there
+    assert {base + int(T.Q4_0), base + int(T.Q8_0)} <= types
+    assert not set_kernel_form(model, form)  # already there
     assert set_kernel_form(model, "avx2")
     after = dict(model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)

@@ -132,7 +132,7 @@ def _tails_then_decodes(llm: LLM, prompts: list[list[int]], together: bool) -> t
 
 
 DECODES = 32
-FORM_PATHS = [("avx2", "q16"), ("avx512_vnni", "auto"), ("avx512_vnni", "fast")]
+FORM_PATHS = [("avx2", "q16"), ("avx2_tiles", "fast"), ("avx512_vnni", "auto"), ("avx512_vnni", "fast")]
 
 
 @pytest.mark.model
@@ -142,7 +142,7 @@ def test_catalog_tails_then_decodes_on_every_form(form, qmatmul):
     first 32 tokens are cached bring 4-token tails in one step (64 rows), then decode 32 tokens together;
     every token and logprob equals the prompt's run alone, bit for bit. On each kernel form this CPU runs,
     with its numerics for any batch size (avx2: q16 forced, its row kernels; avx512_vnni: the tile
-    kernels' q8x2 and q8)."""
+    kernels' q8x2 and q8; avx2_tiles, which gives avx512_vnni's bits: q8)."""
     if form not in forms.runnable_forms():
         pytest.skip(f"this CPU does not run the {form} form")
     llm = LLM(str(catalog_model_path("gemma3-270m")), kv_cache_memory=64 << 20, threads=2, block_size=16,

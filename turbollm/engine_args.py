@@ -85,7 +85,8 @@ class EngineArgs:
     # this engine's model only.
     qmatmul: str | None = None
     # the CPU kernel form (turbollm.kernels.forms): "avx2", "avx512_vnni" (GGML weights repacked into
-    # interleaved rows, one tile kernel for any batch size) or "amx" (the same, tiles of 16 rows on AMX);
+    # interleaved rows, one tile kernel for any batch size), "avx2_tiles" (that layout on AVX2) or "amx" (the
+    # same, tiles of 16 rows on AMX);
     # None: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it, else avx2. This engine's model only.
     kernel_form: str | None = None
     # how the engine reaches its worker: "uni" (in this process) or "mp" (one worker process that

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 #: the form whose instructions each form's kernels use for their integer products
-FORM_PEAK = {"avx2": "int8_avx2", "avx512_vnni": "int8_vnni512", "amx": "int8_amx"}
+FORM_PEAK = {"avx2": "int8_avx2", "avx2_tiles": "int8_avx2", "avx512_vnni": "int8_vnni512", "amx": "int8_amx"}
 PEAK_LOOPS = ("int8_amx", "int8_vnni512", "int8_avx2", "bf16_avx512", "fp32_avx512", "fp32_avx2")
 
 

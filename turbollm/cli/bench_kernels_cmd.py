@@ -17,7 +17,7 @@ def add_kernel_bench(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("kernels", help="quantized matmuls per kernel form, type and row count, against this CPU's "
                                         "measured int8 / bf16 / fp32 peaks")
     p.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"],
-                   help=f"GGML types (the avx512_vnni form covers {', '.join(REPACKED_TYPES)})")
+                   help=f"GGML types (the repacking forms cover {', '.join(REPACKED_TYPES)})")
     p.add_argument("--shapes", nargs="+", default=["1536x8960", "8960x1536"], choices=list(SHAPES),
                    help="K x N (inputs x outputs); defaults: qwen2.5-coder-1.5b's MLP")
     p.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 256], help="activation rows per call")

@@ -75,13 +75,13 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
                         "one C++ call with the same kernels and the same results)")
     p.add_argument("--qmatmul", default=None, choices=list(QMATMUL_PATHS),
                    help="quantized-matmul numerics: auto (default; avx2 form: 16-bit activations for small batches, "
-                        "dequantize + fp32 sgemm for large; avx512_vnni / amx forms: two int8 levels at every size), "
+                        "dequantize + fp32 sgemm for large; repacked forms: two int8 levels at every size), "
                         "fast (llama.cpp's one int8 level: faster, KL ~1e-3-4e-3), or one path for every batch "
                         "size (q8, q8x2, q16, dequant)")
     p.add_argument("--kernel-form", default=None, choices=list(FORMS),
                    help="CPU kernel form: avx2, avx512_vnni (GGML weights repacked at load into interleaved rows, "
-                        "one integer tile kernel for every batch size) or amx (the same, whole tiles of 16 rows "
-                        "on AMX); default: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it, else avx2")
+                        "one integer tile kernel for every batch size), avx2_tiles (the same layout and results on "
+                        "AVX2) or amx (whole tiles of 16 rows on AMX); default: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it, else avx2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="tensor parallelism: N worker processes on this host, each with 1/N of every weight and of "
                         "the KV heads, joined over gloo (the cores split between them)")

@@ -3,6 +3,12 @@
 - ``avx2``: the kernels every x86-64 machine of ours runs (AVX2 + FMA + F16C; the module is
   compiled for x86-64-v3). Quantized weights stay in their GGML rows; the q16 / q8x2 row kernels
   take up to 16 rows (`kernels.quant.Q8X2_MAX_TOKENS`), dequantize + sgemm more.
+- ``avx2_tiles``: the avx512_vnni form's repacked layout multiplied with AVX2 instructions
+  (``csrc/qmm_avx2.cpp``: maddubs + madd on two 8-row halves of each group, integer sums exact, the same
+  float steps lane for lane, so its rows are the avx512_vnni form's bits). Runs wherever the avx2 form
+  does; a batched integer GEMM and row invariance at every batch size for AVX2-only CPUs (AMD Zen 3).
+  Only when asked: on a Zen 3 it is 1.1-1.7x the avx2 form's matmuls from 16 rows up but slower at one
+  row, where decode lives (docs/BENCHMARKS.md, 2026-12-07).
 - ``avx512_vnni``: AVX-512 F/BW/VL/DQ + VNNI (Intel Xeon since Ice Lake, AMD Zen 4). GGML weights
   of the types it covers (`REPACKED_TYPES`) are repacked at load into groups of 16 interleaved
   rows (``csrc/repacked.h``: the same bytes, another order) and multiplied by one tile kernel
@@ -31,18 +37,18 @@ from __future__ import annotations
 import os
 
 from turbollm.errors import InvalidRequestError
-from turbollm.kernels.quant import REPACKED_AMX_BASE, REPACKED_BASE
+from turbollm.kernels.quant import REPACKED_AMX_BASE, REPACKED_AVX2_BASE, REPACKED_BASE
 
 #: the forms
-FORMS = ("avx2", "avx512_vnni", "amx")
-#: the default: the first of these this CPU runs (amx only when asked: measured no faster, docs/BENCHMARKS.md)
+FORMS = ("avx2", "avx2_tiles", "avx512_vnni", "amx")
+#: the default: the first of these this CPU runs (amx and avx2_tiles only when asked: docs/BENCHMARKS.md)
 PREFERRED = ("avx512_vnni", "avx2")
 #: environment variable that forces a form for every engine of the process that names none
 FORM_ENV = "TURBOLLM_KERNEL_FORM"
 #: GGML types the avx512_vnni form repacks (ids of gguf.GGMLQuantizationType)
 REPACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 #: forms whose GGML weights are repacked, and the type-id base of their layouts
-REPACKING_FORMS = {"avx512_vnni": REPACKED_BASE, "amx": REPACKED_AMX_BASE}
+REPACKING_FORMS = {"avx2_tiles": REPACKED_AVX2_BASE, "avx512_vnni": REPACKED_BASE, "amx": REPACKED_AMX_BASE}
 
 
 def runnable_forms() -> tuple[str, ...]:
@@ -75,6 +81,6 @@ def resolve_form(requested: str | None = None) -> str | None:
     if form not in forms:
         raise InvalidRequestError(f"kernel_form {form!r} cannot run here: this CPU and build run "
                                   f"{', '.join(forms)} (the forms need: avx2 = AVX2 + FMA + F16C, "
-                                  f"avx512_vnni = AVX-512 F/BW/VL/DQ + VNNI, amx = that + AMX-INT8 tiles the "
+                                  f"avx2_tiles = the same as avx2, avx512_vnni = AVX-512 F/BW/VL/DQ + VNNI, amx = that + AMX-INT8 tiles the "
                                   f"kernel grants)")
     return form

@@ -37,8 +37,8 @@ Four kernel paths compute a product:
   fp32 math, the faster path for many tokens (prefill).
 The default, ``auto``, takes q16 (q8x2 for types without 16-bit kernels) up to
 ``Q8X2_MAX_TOKENS`` tokens and dequant above; ``fast`` takes q8 up to ``Q8_MAX_TOKENS`` and
-dequant above (llama.cpp's accuracy, faster decode). A repacked weight (the avx512_vnni and amx
-kernel forms, `kernels/forms.py`; type ids from ``REPACKED_BASE``) has one tile kernel for every
+dequant above (llama.cpp's accuracy, faster decode). A repacked weight (the avx512_vnni, avx2_tiles and
+amx kernel forms, `kernels/forms.py`; type ids from ``REPACKED_BASE``) has one tile kernel for every
 row count: ``auto`` is q8x2 and ``fast`` q8 at any M (q16 has no tile form: q8x2), so a row's
 product never depends on the rows beside it.
 Measured mean KL of the logits against the fp32 model on 3 parity prompts (~550 positions):
@@ -154,10 +154,12 @@ def check_path(path: str) -> str:
 #: tiles of 16 rows).
 REPACKED_BASE = 2000
 REPACKED_AMX_BASE = 3000
+#: REPACKED_AVX2_BASE + the GGML id: the avx2_tiles form (the same bytes, AVX2 tile kernels)
+REPACKED_AVX2_BASE = 4000
 
 
 def is_repacked(qtype: int) -> bool:
-    """Whether ``qtype`` names a repacked layout (the avx512_vnni or amx form's interleaved rows)."""
+    """Whether ``qtype`` names a repacked layout (the avx512_vnni, avx2_tiles or amx form's interleaved rows)."""
     return int(qtype) >= REPACKED_BASE
 
 
@@ -191,7 +193,7 @@ def q8_levels(m: int, path: str | None = None, any_rows: bool = False) -> int | 
 
 def repack(w: torch.Tensor, qtype: int, k: int, base: int = REPACKED_BASE) -> tuple[torch.Tensor, int]:
     """A GGML weight in the repacked layout, as type ``base`` + its GGML id (REPACKED_BASE: the avx512_vnni
-    form, REPACKED_AMX_BASE: the amx form), when this CPU runs that form's kernels for the type and the
+    form, REPACKED_AMX_BASE: the amx form, REPACKED_AVX2_BASE: the avx2_tiles form), when this CPU runs that form's kernels for the type and the
     rows come in whole groups of 16; else unchanged."""
     mod = _kernel_module()
     if mod is None or is_repacked(qtype) or not hasattr(mod, "repackable") \

@@ -17,6 +17,10 @@ from turbollm.planner.tuner import (BATCHED, KV_DTYPES, LOSSY, SEQS, WEIGHTS, Ca
 from turbollm.planner.workload import Workload, poisson
 from turbollm.procfs import available_memory
 
+#: the time left that measuring a candidate needs: the profiles stop before another would leave less (the first
+#: always runs), and no candidate starts with less
+MEASURE_SECONDS = 60.0
+
 
 @dataclass
 class TuneReport:
@@ -146,17 +150,23 @@ def run_tune(base, workload: Workload, slo: dict, minutes: float, max_quality_lo
     clock.log(f"{len(tune_half.items)} requests to tune on, {len(held_half.items)} held out; prefix-cache hit rate by "
               f"block size {rep.hit_rates}: block {block}")
     avail = available_memory()
-    ranked = []
+    ranked, last_profile = [], 0.0
     for weights, kv in itertools.product(WEIGHTS, KV_DTYPES):
         if clock.left < 0.5 * clock.budget:
             clock.log("half the budget spent on profiles: no more weight/K-V formats")
             break
+        if ranked and clock.left - last_profile < MEASURE_SECONDS:
+            clock.log("another profile would leave too little time to measure: no more weight/K-V formats")
+            break
         probe = Candidate(SEQS[-1], BATCHED[-1], kv, weights, block if kv == "float16" else max(block, 32))
+        started = clock.left
         try:
             prof = profile(probe.args(base), log=clock.log)
         except Exception as e:  # a format this model cannot take (int4 groups...): say so, go on
             clock.log(f"  no profile for weights={weights or 'file'} kv={kv}: {e}")
             continue
+        finally:
+            last_profile = started - clock.left
         for seqs, batched in itertools.product(SEQS, BATCHED):
             cand = dataclasses.replace(probe, max_num_seqs=seqs, max_num_batched_tokens=batched)
             plan = make_plan(cand.args(base), tune_half, prof)
@@ -190,7 +200,7 @@ def run_tune(base, workload: Workload, slo: dict, minutes: float, max_quality_lo
     lineup = list(chosen) + [(start_rate(base, c, tune_half, slo, fallback), c)
                              for c in [default, *recipe_candidates(block)]]
     for start, cand in lineup:
-        if clock.left < 60:
+        if clock.left < MEASURE_SECONDS:
             clock.log("out of time: the rest are not measured")
             break
         clock.log(f"measuring {cand.label} on the tuning half from {start:.3g} req/s")

@@ -15,7 +15,9 @@
 6. The winner, the default and the best recipe run again on the held-out half; the winner is written as a
    config file (`--config`), and every measured run is a point of the Pareto plot (tokens/s per user against
    total tokens/s).
-Everything stops at the --minutes budget: what was measured by then decides.
+Everything stops at the --minutes budget: what was measured by then decides. The profiles take at most half of it
+and stop before one would leave less than a measurement needs (tune_search.MEASURE_SECONDS), so a short budget on a
+busy machine profiles fewer formats rather than measuring nothing.
 """
 
 from __future__ import annotations

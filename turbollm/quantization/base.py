@@ -84,7 +84,7 @@ class LinearMethod:
 
     def set_form(self, layer: nn.Module, form: str | None) -> bool:
         """Hold the layer's weight in the layout kernel form `form` multiplies (kernels/forms.py: the
-        avx512_vnni form repacks GGML blocks into interleaved rows; any other form, or None, keeps
+        avx512_vnni, avx2_tiles and amx forms repack GGML blocks into interleaved rows; any other form, or None, keeps
         or restores the GGML rows); whether anything changed. Default: one layout for every form."""
         return False
 

@@ -131,7 +131,7 @@ class GGUFLinearMethod(LinearMethod):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
 
     def set_form(self, layer: nn.Module, form: str | None) -> bool:
-        """Repack each GGML part for a repacking form (avx512_vnni, amx: `kernels.quant.to_layout`, the types it
+        """Repack each GGML part for a repacking form (avx512_vnni, avx2_tiles, amx: `kernels.quant.to_layout`, the types it
         covers, rows in groups of 16), or restore the GGML rows for any other; the parameters keep their
         identity."""
         from turbollm.kernels.forms import REPACKING_FORMS

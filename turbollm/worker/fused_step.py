@@ -170,7 +170,7 @@ class FusedDecodeStep:
         self.rope_tables = [rotary.cos for rotary in self.rotaries]
         qtypes = [q for spec in specs for name in ("qkv", "o", "gate_up", "down") for q in spec[name]["qtypes"]]
         self.quantized = any(q != DENSE_PART for q in qtypes)
-        # every quantized weight repacked (the avx512_vnni form): one numerics, and the fused step, for any rows
+        # every quantized weight repacked (a repacking form: avx512_vnni, avx2_tiles, amx): one numerics, and the fused step, for any rows
         self.any_rows = all(q == DENSE_PART or is_repacked(q) for q in qtypes)
 
 

@@ -51,11 +51,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported16", &supported16, "whether a type has 16-bit activation (q16) kernels");
   m.def("kernel_forms", &kernel_forms, "the kernel forms this build runs on this CPU, best last");
   m.def("repackable", &repackable, "whether GGML type `qtype` has the repacked type base + qtype (2000: avx512_vnni, "
-        "3000: amx) with kernels this CPU runs", pybind11::arg("qtype"), pybind11::arg("base") = 2000);
+        "3000: amx, 4000: avx2_tiles) with kernels this CPU runs", pybind11::arg("qtype"), pybind11::arg("base") = 2000);
   m.def("repack", &repack, "a GGML weight [N, row_bytes] in its interleaved layout (type id + 2000)", nogil);
   m.def("unrepack", &unrepack, "a repacked weight back in its GGML layout", nogil);
   m.attr("repacked_base") = 2000;
   m.attr("repacked_amx_base") = 3000;
+  m.attr("repacked_avx2_base") = 4000;
   m.def("peak_gops", &peak_gops, "G ops/s of one instruction form's register-only multiply-add loop on `threads` "
         "threads (int8_vnni512, int8_avx2, bf16_avx512, fp32_avx512, fp32_avx2, int8_amx; 0: not on this CPU)", nogil);
 

@@ -130,6 +130,9 @@ void register_kquants_low(TypeKernels* table);  // quant_dot_klow.cpp (Q2_K, Q3_
 void register_kquants16(TypeKernels* table);  // quant_dot_kquants16.cpp (Q4_K, Q5_K, Q6_K with 16-bit activations)
 void register_intq(TypeKernels* table);     // quant_dot_int.cpp (int8 per-channel, int4 / int3 group-wise)
 void register_repacked(TypeKernels* table);  // quant_repack.cpp (the repacked layouts: sizes, dequantization)
+namespace vavx2 {
+void register_avx2_tiles(TypeKernels* table);  // qmm_avx2.cpp (their AVX2 tile kernels: the avx2_tiles form)
+}
 namespace v512 {
 void register_vnni512(TypeKernels* table);  // qmm_vnni512.cpp (their AVX-512 VNNI tile kernels)
 }
@@ -139,7 +142,7 @@ void register_amx(TypeKernels* table);      // qmm_amx.cpp (the amx form's group
 bool cpu_has_vnni512();                     // quant_repack.cpp: AVX-512 F/BW/VL/DQ + VNNI, and the OS saves zmm state
 bool amx_ready();                           // qmm_amx.cpp: AMX-INT8 tiles, and the kernel's permission for them
 int table_index(int qtype);                 // slot of qtype in the table, or -1
-constexpr int kTableSize = 29;
+constexpr int kTableSize = 37;
 
 // quant_act.cpp: quantize rows [m0, m1) of x [M, K] in blocks of `block` (32 or 256). With
 // `residual`, row m becomes two rows of the output: 2m (x) and 2m + 1 (x minus the first's

@@ -45,6 +45,14 @@ int table_index(int qtype) {
     case kRepackedAmx + kQ4_K: return 26;
     case kRepackedAmx + kQ5_K: return 27;
     case kRepackedAmx + kQ6_K: return 28;
+    case kRepackedAvx2 + kQ4_0: return 29;
+    case kRepackedAvx2 + kQ4_1: return 30;
+    case kRepackedAvx2 + kQ5_0: return 31;
+    case kRepackedAvx2 + kQ5_1: return 32;
+    case kRepackedAvx2 + kQ8_0: return 33;
+    case kRepackedAvx2 + kQ4_K: return 34;
+    case kRepackedAvx2 + kQ5_K: return 35;
+    case kRepackedAvx2 + kQ6_K: return 36;
     default: return -1;
   }
 }

@@ -290,6 +290,7 @@ std::vector<std::string> kernel_forms() {
   std::vector<std::string> forms;
 #if defined(__AVX2__)
   forms.push_back("avx2");
+  forms.push_back("avx2_tiles");
 #endif
   if (tq::cpu_has_vnni512()) forms.push_back("avx512_vnni");
   if (tq::amx_ready()) forms.push_back("amx");
@@ -297,7 +298,7 @@ std::vector<std::string> kernel_forms() {
 }
 
 // whether `qtype` (a GGML id) has the repacked type `base` + qtype (kRepacked: avx512_vnni, kRepackedAmx:
-// amx) with kernels this CPU runs
+// amx, kRepackedAvx2: avx2_tiles) with kernels this CPU runs
 bool repackable(int64_t qtype, int64_t base) {
   if (qtype <= 0 || qtype >= tq::kRepacked || !tq::repackable((int)qtype)) return false;
   const TypeKernels* k = tq::find_kernels((int)(base + qtype));

@@ -281,7 +281,7 @@ void deq_repacked(const WView& w, int64_t n, float* out) {
 template <int T>
 void set_repacked(TypeKernels* table) {
   const TypeKernels& base = table[table_index(T)];
-  for (int id : {kRepacked + T, kRepackedAmx + T}) {
+  for (int id : {kRepacked + T, kRepackedAmx + T, kRepackedAvx2 + T}) {
     TypeKernels& k = table[table_index(id)];
     k.block = base.block;
     k.bytes = base.bytes;
@@ -296,6 +296,7 @@ void set_repacked(TypeKernels* table) {
 void register_repacked(TypeKernels* table) {
   set_repacked<kQ4_0>(table); set_repacked<kQ4_1>(table); set_repacked<kQ5_0>(table); set_repacked<kQ5_1>(table);
   set_repacked<kQ8_0>(table); set_repacked<kQ4_K>(table); set_repacked<kQ5_K>(table); set_repacked<kQ6_K>(table);
+  vavx2::register_avx2_tiles(table);  // AVX2: the module's own base target
   if (cpu_has_vnni512()) v512::register_vnni512(table);
   if (amx_ready()) amx::register_amx(table);
 }

@@ -46,6 +46,8 @@ namespace tq {
 // the GGML type id (the amx form: the same bytes, whole tiles of 16 rows multiplied by AMX tiles).
 constexpr int kRepacked = 2000;
 constexpr int kRepackedAmx = 3000;
+// kRepackedAvx2 + the GGML type id: the avx2_tiles form (the same bytes, AVX2 tile kernels: qmm_avx2.cpp).
+constexpr int kRepackedAvx2 = 4000;
 constexpr int kGroupRows = 16;
 
 // Whether a GGML type has a repacked layout.
