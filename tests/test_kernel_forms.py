@@ -88,8 +88,8 @@ def test_repacking_is_a_permutation(qtype):
 
 
 def tile_form(form: str) -> int:
-    """The repacked base of `form`, skipping the test where this CPU cannot run the form (compiling it is
-    not testing it)."""
+    """The repacked base of `form`, skipping the test where this CPU (or, for amx, its kernel) cannot run the
+    form (compiling it is not testing it)."""
     if form not in F.runnable_forms():
         pytest.skip(f"this CPU does not run the {form} form")
     return F.REPACKING_FORMS[form]
@@ -163,41 +163,29 @@ def test_integer_sums_at_the_extremes(form, case):
         assert rel_err(Q.ggml_linear(x, r, rt, k, path=path), q8_linear_ref(x, wd, 32, levels)) < 1e-5
 
 
+#: forms that give the avx512_vnni form's bits, and the row counts each is held to it at
+SAME_BITS = {"avx2_tiles": (1, 8, 37), "amx": (16, 37, 64)}
+
+
 @needs_kernels
 @vnni512
+@pytest.mark.parametrize("form", list(SAME_BITS))
 @pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
-def test_avx2_tiles_give_the_bits_of_the_vnni512_form(qtype):
-    """Exact integer sums and the same float steps lane for lane: the avx2_tiles form's rows are the
-    avx512_vnni form's bits, both paths."""
+def test_form_gives_the_bits_of_the_vnni512_form(form, qtype):
+    """Exact integer sums and the same float steps lane for lane: every row of the avx2_tiles form, and of the
+    amx form's tile multiplies (whole tiles of 16 rows, VNNI tiles for the rest), is the avx512_vnni form's
+    bits, both paths."""
+    base = tile_form(form)
     g = torch.Generator().manual_seed(13)
     k = 512
     w = random_weight(qtype, 32, k, g)
     rv, tv = Q.repack(w, int(qtype), k, Q.REPACKED_BASE)
-    r2, t2 = Q.repack(w, int(qtype), k, Q.REPACKED_AVX2_BASE)
-    assert torch.equal(r2, rv) and t2 == Q.REPACKED_AVX2_BASE + int(qtype)
-    for m in (1, 8, 37):
+    rf, tf = Q.repack(w, int(qtype), k, base)
+    assert torch.equal(rf, rv) and tf == base + int(qtype)
+    for m in SAME_BITS[form]:
         x = torch.randn(m, k, generator=g)
         for path in ("fast", "auto"):
-            assert torch.equal(Q.ggml_linear(x, r2, t2, k, path=path), Q.ggml_linear(x, rv, tv, k, path=path)), (m, path)
-
-
-@needs_kernels
-@pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
-def test_amx_form_gives_the_bits_of_the_vnni512_form(qtype):
-    """The amx form's tile multiplies (whole tiles of 16 rows) and the VNNI tiles (the rest) give every row
-    the avx512_vnni form's bits, both paths."""
-    if "amx" not in F.runnable_forms():
-        pytest.skip("this CPU (or its kernel) does not run AMX tiles")
-    g = torch.Generator().manual_seed(9)
-    k = 512
-    w = random_weight(qtype, 32, k, g)
-    rv, tv = Q.repack(w, int(qtype), k, Q.REPACKED_BASE)
-    ra, ta = Q.repack(w, int(qtype), k, Q.REPACKED_AMX_BASE)
-    assert torch.equal(ra, rv) and ta == Q.REPACKED_AMX_BASE + int(qtype)
-    for m in (16, 37, 64):
-        x = torch.randn(m, k, generator=g)
-        for path in ("fast", "auto"):
-            assert torch.equal(Q.ggml_linear(x, ra, ta, k, path=path), Q.ggml_linear(x, rv, tv, k, path=path)), (m, path)
+            assert torch.equal(Q.ggml_linear(x, rf, tf, k, path=path), Q.ggml_linear(x, rv, tv, k, path=path)), (m, path)
 
 
 @needs_kernels
