@@ -81,7 +81,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = False, s
     p.add_argument("--kernel-form", default=None, choices=list(FORMS),
                    help="CPU kernel form: avx2, avx512_vnni (GGML weights repacked at load into interleaved rows, "
                         "one integer tile kernel for every batch size), avx2_tiles (the same layout and results on "
-                        "AVX2) or amx (whole tiles of 16 rows on AMX); default: $TURBOLLM_KERNEL_FORM, else avx512_vnni where the CPU has it, else avx2")
+                        "AVX2) or amx (whole tiles of 16 rows on AMX); default: $TURBOLLM_KERNEL_FORM, else "
+                        "avx512_vnni where the CPU has it, else avx2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="tensor parallelism: N worker processes on this host, each with 1/N of every weight and of "
                         "the KV heads, joined over gloo (the cores split between them)")

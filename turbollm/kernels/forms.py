@@ -81,6 +81,6 @@ def resolve_form(requested: str | None = None) -> str | None:
     if form not in forms:
         raise InvalidRequestError(f"kernel_form {form!r} cannot run here: this CPU and build run "
                                   f"{', '.join(forms)} (the forms need: avx2 = AVX2 + FMA + F16C, "
-                                  f"avx2_tiles = the same as avx2, avx512_vnni = AVX-512 F/BW/VL/DQ + VNNI, amx = that + AMX-INT8 tiles the "
-                                  f"kernel grants)")
+                                  f"avx2_tiles = the same as avx2, avx512_vnni = AVX-512 F/BW/VL/DQ + VNNI, "
+                                  f"amx = that + AMX-INT8 tiles the kernel grants)")
     return form

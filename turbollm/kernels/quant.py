@@ -193,8 +193,8 @@ def q8_levels(m: int, path: str | None = None, any_rows: bool = False) -> int | 
 
 def repack(w: torch.Tensor, qtype: int, k: int, base: int = REPACKED_BASE) -> tuple[torch.Tensor, int]:
     """A GGML weight in the repacked layout, as type ``base`` + its GGML id (REPACKED_BASE: the avx512_vnni
-    form, REPACKED_AMX_BASE: the amx form, REPACKED_AVX2_BASE: the avx2_tiles form), when this CPU runs that form's kernels for the type and the
-    rows come in whole groups of 16; else unchanged."""
+    form, REPACKED_AMX_BASE: the amx form, REPACKED_AVX2_BASE: the avx2_tiles form), when this CPU runs that
+    form's kernels for the type and the rows come in whole groups of 16; else unchanged."""
     mod = _kernel_module()
     if mod is None or is_repacked(qtype) or not hasattr(mod, "repackable") \
             or not mod.repackable(int(qtype), int(base)) or w.shape[0] % 16:
