@@ -5,6 +5,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 from turbollm.kernels import locked_build_dir
 
@@ -97,8 +98,13 @@ def test_build_key_separates_torch_installs(tmp_path, monkeypatch):
     from turbollm.kernels import build_key
 
     files = _sources(tmp_path / "src")
-    here = build_key(files, ["-O3"])
+    here, real = build_key(files, ["-O3"]), Path(torch.__file__).parent
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert build_key(files, ["-O3"]) != here
+    # a symlink to this venv is another path in every compile command too: its own build, not a shared folder
+    # whose ninja commands would change (and rebuild everything) at each switch
+    (tmp_path / "linked-venv").symlink_to(real.parent, target_is_directory=True)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "linked-venv" / real.name / "__init__.py"))
     assert build_key(files, ["-O3"]) != here
 
 

@@ -11,8 +11,8 @@ beside each kernel, and one log line says so (`build_error()` keeps the reason, 
 
 Builds land in ``~/.cache/turbollm/kernels/<module>-<key>`` (``TURBOLLM_KERNEL_CACHE`` moves the
 root), the key a hash of the sources' names and bytes, the flags, the torch and Python versions,
-where torch is installed (torch's header and library paths are part of every compile and link
-command, so each environment needs its own build) and the CPU's feature flags (`arch_flags`: the module
+where torch is installed, as the path reads (torch's header and library paths are part of every compile
+and link command, so each environment, and each path to one through a symlink, needs its own build) and the CPU's feature flags (`arch_flags`: the module
 is compiled for x86-64-v3 and tuned for this CPU, the AVX-512 / AMX kernel forms added by target pragmas
 in their own files and chosen at run time, `kernels/forms.py`; elsewhere ``-march=native``: a cache shared
 between machines must not hand one CPU's instructions to another).
@@ -143,7 +143,9 @@ def build_key(files: list[Path], cflags: list[str]) -> str:
         data = path.read_bytes()
         digest.update(f"{path.name}\0{len(data)}\0".encode())
         digest.update(data)
-    torch_dir = str(Path(torch.__file__).resolve().parent)
+    # as written, not resolved: torch's cpp_extension puts this path into build.ninja, so two paths to one venv
+    # (a symlinked .venv) sharing a folder would rebuild every object each time they alternate
+    torch_dir = str(Path(torch.__file__).parent)
     digest.update("\0".join([*cflags, torch.__version__, torch_dir, sys.version, cpu_flags()]).encode())
     return digest.hexdigest()[:16]
 
