@@ -19,7 +19,6 @@
 // Everything is AVX2 + FMA + F16C, the module's own base target (x86-64-v3): registered wherever the
 // module runs (quant_repack.cpp).
 #include <cstdint>
-#include <cstring>
 #include <immintrin.h>
 
 #include "quant_common.h"
@@ -31,16 +30,6 @@ namespace {
 
 inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline int32_t ld32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-inline uint32_t ldu32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 
 // Quads 0..3 (low nibbles) and 4..7 (high nibbles) of half h of a 256-byte nib field.
 inline void nibbles(const uint8_t* nib, int h, __m256i w[8]) {
@@ -58,7 +47,7 @@ inline void fifth_bits(const uint8_t* hm, int h, __m256i w[8]) {
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), c16 = _mm256_set1_epi8(16);
   for (int j = 0; j < 8; ++j) {
-    const __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)ldu32(hm + 8 * j + 4 * h)), spread);
+    const __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)load_u32(hm + 8 * j + 4 * h)), spread);
     w[j] = _mm256_add_epi8(w[j], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit), c16));
   }
 }
@@ -198,7 +187,7 @@ void tile(const uint8_t* grp, int64_t K, const QAct& a, int64_t m0, float* out, 
 #pragma GCC unroll 8
               for (int j = r; j < r + D::kRun; ++j) {
                 const int q = s * kQuads + j;
-                __m256i x = _mm256_set1_epi32(ld32(xp + 4 * j));
+                __m256i x = _mm256_set1_epi32((int)load_u32(reinterpret_cast<const uint8_t*>(xp + 4 * j)));
                 if constexpr (D::kSigned) x = _mm256_sign_epi8(x, _mm256_load_si256(sgn + q));
                 p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[q], x));
               }
