@@ -12,10 +12,11 @@ beside each kernel, and one log line says so (`build_error()` keeps the reason, 
 Builds land in ``~/.cache/turbollm/kernels/<module>-<key>`` (``TURBOLLM_KERNEL_CACHE`` moves the
 root), the key a hash of the sources' names and bytes, the flags, the torch and Python versions,
 where torch is installed, as the path reads (torch's header and library paths are part of every compile
-and link command, so each environment, and each path to one through a symlink, needs its own build) and the CPU's feature flags (`arch_flags`: the module
-is compiled for x86-64-v3 and tuned for this CPU, the AVX-512 / AMX kernel forms added by target pragmas
-in their own files and chosen at run time, `kernels/forms.py`; elsewhere ``-march=native``: a cache shared
-between machines must not hand one CPU's instructions to another).
+and link command, so each environment, and each path to one through a symlink, needs its own build) and
+the CPU's feature flags (`arch_flags`: the module is compiled for x86-64-v3 and tuned for this CPU, the
+AVX-512 / AMX kernel forms added by target pragmas in their own files and chosen at run time,
+`kernels/forms.py`; elsewhere ``-march=native``: a cache shared between machines must not hand one CPU's
+instructions to another).
 The sources are copied into that folder and compiled from there: checkouts of the same code under
 one environment share a build, a working checkout and a clean clone with its own venv (CI) each keep
 theirs instead of recompiling each other's every time they alternate, and a checkout with other

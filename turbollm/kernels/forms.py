@@ -45,7 +45,7 @@ FORMS = ("avx2", "avx2_tiles", "avx512_vnni", "amx")
 PREFERRED = ("avx512_vnni", "avx2")
 #: environment variable that forces a form for every engine of the process that names none
 FORM_ENV = "TURBOLLM_KERNEL_FORM"
-#: GGML types the avx512_vnni form repacks (ids of gguf.GGMLQuantizationType)
+#: GGML types the repacking forms repack (ids of gguf.GGMLQuantizationType)
 REPACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 #: forms whose GGML weights are repacked, and the type-id base of their layouts
 REPACKING_FORMS = {"avx2_tiles": REPACKED_AVX2_BASE, "avx512_vnni": REPACKED_BASE, "amx": REPACKED_AMX_BASE}

@@ -155,7 +155,7 @@ def run_tune(base, workload: Workload, slo: dict, minutes: float, max_quality_lo
         if clock.left < 0.5 * clock.budget:
             clock.log("half the budget spent on profiles: no more weight/K-V formats")
             break
-        if ranked and clock.left - last_profile < MEASURE_SECONDS:
+        if last_profile and clock.left - last_profile < MEASURE_SECONDS:
             clock.log("another profile would leave too little time to measure: no more weight/K-V formats")
             break
         probe = Candidate(SEQS[-1], BATCHED[-1], kv, weights, block if kv == "float16" else max(block, 32))
