@@ -96,7 +96,8 @@ def locked_build_dir(name: str, root: Path | None = None):
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            logger.warning("turbollm: waiting for another process that builds or loads the C++ kernels in %s", build_dir)
+            logger.warning("turbollm: waiting for another process that builds or loads the C++ kernels in %s",
+                           build_dir)
             fcntl.flock(handle, fcntl.LOCK_EX)
         os.utime(handle.fileno())
         try:

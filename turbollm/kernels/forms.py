@@ -7,8 +7,9 @@
   (``csrc/qmm_avx2.cpp``: maddubs + madd on two 8-row halves of each group, integer sums exact, the same
   float steps lane for lane, so its rows are the avx512_vnni form's bits). Runs wherever the avx2 form
   does; a batched integer GEMM and row invariance at every batch size for AVX2-only CPUs (AMD Zen 3).
-  Only when asked: on a Zen 3 (with qmatmul "fast") its batch-16 decode is 2.5x the avx2 form's, but its
-  one-row matmuls are slower, where batch-1 decode lives (docs/BENCHMARKS.md, 2026-12-07).
+  Only when asked: on a Zen 3 with qmatmul "fast" its batch-16 decode is 2.5x the avx2 form's and its batch-1
+  decode 1.0-1.4x, but under the default "auto" its two int8 levels make prefill ~0.55x the avx2 form's
+  dequantize + sgemm (docs/BENCHMARKS.md, 2026-12-07).
 - ``avx512_vnni``: AVX-512 F/BW/VL/DQ + VNNI (Intel Xeon since Ice Lake, AMD Zen 4). GGML weights
   of the types it covers (`REPACKED_TYPES`) are repacked at load into groups of 16 interleaved
   rows (``csrc/repacked.h``: the same bytes, another order) and multiplied by one tile kernel

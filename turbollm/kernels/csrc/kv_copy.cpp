@@ -1,4 +1,4 @@
-// Block copies between K/V pools (turbollm/kv_transfer/kv_copy.py): block dst_idx[i] of every dsts[p] becomes a
+// Block copies between K/V pools (turbollm/kv_transfer/block_copy.py): block dst_idx[i] of every dsts[p] becomes a
 // copy of block src_idx[i] of srcs[p]. Each tensor is one contiguous [blocks, bytes] byte view of a layer part
 // (K, V, or a quantized format's scales); srcs[p] and dsts[p] have the same bytes per block. One memcpy per block
 // and part, spread over the threads: torch's index_copy_ moves a block element by element (measured ~20x slower
