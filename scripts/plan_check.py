@@ -128,7 +128,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the rows here too")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure each configuration this many times (fresh processes); the row shows the run "
-                         "of median step-time ratio and the spread")
+                         "of median step-time ratio (the upper middle one for an even count) and the spread")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.measure:

@@ -1,7 +1,8 @@
 """The chat page and the dashboard in a real browser (the harness: tests/webui_harness.py).
 
 Checked: the page loads all its files and nothing else (their bytes are printed); tokens stream onto the screen,
-and the first one is on screen within 100 ms of the API's own TTFT (medians of 3, same prompt length); stop aborts
+and the first one is on screen within 100 ms of the API's own TTFT (median of 3: the time from the key press
+to the token on screen, less the page's request's own time from fetch to its first content byte); stop aborts
 the request on the server; regenerate and edit-and-resend; settings reach the request and survive a reload;
 conversations survive a reload, are renamed, deleted, exported and imported; a 200-message conversation keeps
 every frame under 100 ms while a reply streams, and the send redraws only the conversation's tail; the dashboard's
@@ -41,19 +42,24 @@ def test_page_loads_from_the_server_alone(ui, webui_server):
 def test_stream_ttft_regenerate_edit_and_reload(ui, webui_server):
     p = ui().open()
     p.settings(temperature=0, max_tokens=8)
-    page_ttft, ref_ttft = [], []
+    page_ttft, added, ref_ttft = [], [], []
     for i, name in enumerate(["Ann", "Bob", "Cid"]):
         p.tid("new-chat").click()
         p.page.evaluate(WATCH)
         p.send(f"Say hello to {name}, who is {20 + i} years old.")
         p.wait_done()
         t = p.page.evaluate("window.__t")
-        assert t.get("sent") is not None and t.get("first") is not None, f"no token reached the screen: {t}"
+        assert all(t.get(k) is not None for k in ("sent", "fetch", "recv", "first")), f"no token reached the screen: {t}"
+        assert t["sent"] <= t["fetch"] < t["recv"], t
         page_ttft.append((t["first"] - t["sent"]) / 1e3)
+        added.append((t["first"] - t["sent"] - (t["recv"] - t["fetch"])) / 1e3)  # the page's share of its TTFT
         ref_ttft.append(api_ttft(webui_server, f"Say hello to {name}x, who is {30 + i} years old."))
-    on_screen, api = statistics.median(page_ttft), statistics.median(ref_ttft)
-    print(f"\ntyping to first token on screen: median {1e3 * on_screen:.0f} ms; API TTFT: median {1e3 * api:.0f} ms")
-    assert on_screen <= api + 0.100, (page_ttft, ref_ttft)
+    on_screen, page_part, api = (statistics.median(x) for x in (page_ttft, added, ref_ttft))
+    print(f"\ntyping to first token on screen: median {1e3 * on_screen:.0f} ms, of which the page "
+          f"{1e3 * page_part:.0f} ms (the rest its request's own TTFT); API TTFT: median {1e3 * api:.0f} ms")
+    # within 100 ms of the API's TTFT, measured on the page's own request: the engine's TTFT moves more than
+    # that between requests on a busy machine (median 402 ms on screen against 282 ms by the API once in CI)
+    assert page_part <= 0.100, (added, page_ttft, ref_ttft)
 
     # tokens stream (many screen updates), with the reply's stats
     p.settings(max_tokens=48)

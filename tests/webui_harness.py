@@ -180,6 +180,30 @@ def api_ttft(server, content: str, max_tokens: int = 8) -> float:
 
 WATCH = """() => {
   const t = window.__t = {updates: 0};
+  if (!window.__fetch0) {  // the chat request's own timing: fetch called (t.fetch), first content byte in (t.recv)
+    window.__fetch0 = window.fetch;
+    window.fetch = async (...a) => {
+      const w = window.__t, chat = String(a[0]).endsWith('/v1/chat/completions');
+      if (chat && w.fetch === undefined) w.fetch = performance.now();
+      const r = await window.__fetch0(...a);
+      if (!chat || !r.body) return r;
+      const [mine, page] = r.body.tee();
+      (async () => {  // reads its copy up to the first content piece, then lets go (the page's copy alone left)
+        const rd = mine.getReader(), dec = new TextDecoder();
+        let buf = '';
+        try {
+          for (;;) {
+            const {value, done} = await rd.read();
+            if (done) return;
+            buf += dec.decode(value, {stream: true});
+            if (/"content":"[^"]/.test(buf)) { if (w.recv === undefined) w.recv = performance.now(); break; }
+          }
+          await rd.cancel();
+        } catch (e) { /* stopped: the page's copy says so */ }
+      })();
+      return new Response(page, {status: r.status, statusText: r.statusText, headers: r.headers});
+    };
+  }
   document.getElementById('prompt').addEventListener('keydown', (e) => { if (e.key === 'Enter') t.sent = performance.now(); },
                                                      {capture: true, once: true});
   const box = document.getElementById('messages');

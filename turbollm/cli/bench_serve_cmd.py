@@ -99,7 +99,8 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     for s in summaries:
         label = f"{s['request_rate']:.2f} (trace x{s['trace_speedup']})" if "trace_speedup" in s else \
             str(s["request_rate"])
-        s["request_rate"] = s["request_rate"] if "trace_speedup" in s else str(s["request_rate"])
+        if s["request_rate"] == math.inf:  # JSON has no infinity: "inf"; every finite rate stays a number
+            s["request_rate"] = "inf"
         print(f"rate {label:>6}: {s['completed']} ok, {s['failed']} failed, "
               f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s, "
               f"goodput {s['goodput']:.2f} req/s | TTFT ms p50/p90/p99 {_p(s['ttft_ms'])} | "

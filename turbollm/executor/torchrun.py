@@ -26,6 +26,7 @@ from turbollm.distributed.launch import broadcast, gather, join_control_group
 from turbollm.distributed.tensor_parallel import STEP_TIMEOUT_S
 from turbollm.executor.base import Executor, ExecutorError, WorkerDiedError
 from turbollm.executor.heartbeat import POLL_S, HangWatch, Heartbeat, whereabouts
+from turbollm.gc_heap import freeze_startup_heap
 from turbollm.handoff.runner_output import ModelRunnerOutput
 from turbollm.handoff.scheduler_output import SchedulerOutput
 from turbollm.log import init_logger
@@ -270,6 +271,7 @@ def run_worker() -> bool:
         broadcast(None, group)
         dist.destroy_process_group()
         return False
+    freeze_startup_heap()  # this process is the worker's alone: full GC passes skip its start-up objects
     gather(("ok", (worker.footprint(), whereabouts())), group)
     out_rank = config.parallel.output_rank
     try:
