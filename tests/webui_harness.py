@@ -196,7 +196,7 @@ WATCH = """() => {
             const {value, done} = await rd.read();
             if (done) return;
             buf += dec.decode(value, {stream: true});
-            if (/"content":"[^"]/.test(buf)) { if (w.recv === undefined) w.recv = performance.now(); break; }
+            if (/"content": *"[^"]/.test(buf)) { if (w.recv === undefined) w.recv = performance.now(); break; }
           }
           await rd.cancel();
         } catch (e) { /* stopped: the page's copy says so */ }
