@@ -111,8 +111,7 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump({"setting": setting, "results": summaries}, f, indent=2)
     if ns.plot:
-        numeric = [dict(s, request_rate=float(s["request_rate"])) for s in summaries if s["request_rate"] != "inf"]
-        if not plot_rates(numeric, ns.plot):
+        if not plot_rates([s for s in summaries if s["request_rate"] != "inf"], ns.plot):
             print("no plot: matplotlib is not installed (pip install 'turbollm[bench]')")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 

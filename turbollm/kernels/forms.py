@@ -8,9 +8,9 @@
   float steps lane for lane, so its rows are the avx512_vnni form's bits). Runs wherever the avx2 form
   does; a batched integer GEMM and row invariance at every batch size for AVX2-only CPUs (AMD Zen 3).
   Only when asked: on a Zen 3 with qmatmul "fast" its batch-16 decode is 2.5x the avx2 form's and its batch-1
-  decode 1.0-1.4x, but under the default "auto" its two int8 levels make prefill ~0.55x the avx2 form's
-  dequantize + sgemm, and under "fast" its one-row Q6_K and long-K Q4_K products run 0.6-0.85x the avx2 row
-  kernels (qwen2.5-coder-1.5b batch-1 decode 0.94x; docs/BENCHMARKS.md, 2026-12-07).
+  decode 1.0-1.4x on Q4_1 / Q5_0 / Q8_0 models, but under the default "auto" its two int8 levels make prefill
+  ~0.55x the avx2 form's dequantize + sgemm, and under "fast" its one-row Q6_K and long-K Q4_K products run
+  0.6-0.85x the avx2 row kernels (qwen2.5-coder-1.5b batch-1 decode 0.94x; docs/BENCHMARKS.md, 2026-12-07).
 - ``avx512_vnni``: AVX-512 F/BW/VL/DQ + VNNI (Intel Xeon since Ice Lake, AMD Zen 4). GGML weights
   of the types it covers (`REPACKED_TYPES`) are repacked at load into groups of 16 interleaved
   rows (``csrc/repacked.h``: the same bytes, another order) and multiplied by one tile kernel
