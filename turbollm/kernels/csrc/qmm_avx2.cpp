@@ -104,10 +104,10 @@ struct K45 {
                                             _mm256_and_si256(_mm256_srli_epi32(b, 2), m30))};
       for (int bb = 0; bb < 8; ++bb) {
         const int sh = 8 * (bb % 4);
-        _mm256_store_ps(sc[bb] + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
-                                                                _mm256_and_si256(_mm256_srli_epi32(s[bb / 4], sh), ff))));
-        _mm256_store_ps(mn[bb] + 8 * h, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(
-                                                                   _mm256_and_si256(_mm256_srli_epi32(m[bb / 4], sh), ff))));
+        const __m256i sb = _mm256_and_si256(_mm256_srli_epi32(s[bb / 4], sh), ff),
+                      mb = _mm256_and_si256(_mm256_srli_epi32(m[bb / 4], sh), ff);
+        _mm256_store_ps(sc[bb] + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sb)));
+        _mm256_store_ps(mn[bb] + 8 * h, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mb)));
       }
     }
   }
