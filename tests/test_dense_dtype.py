@@ -64,6 +64,8 @@ def test_set_dtype_holds_every_dense_weight_once_and_stays_near_float32(tiny):
         b = model.compute_logits(model.forward_windows(windows))
     assert b.dtype == torch.float32
     rel = ((a - b).norm() / a.norm()).item()
-    assert 1e-5 < rel < 2e-2, rel  # bfloat16's rounding, and only that
+    # bfloat16's rounding, and only that: 0.0199 and 0.0201 on this random tiny model under two float32 summation
+    # orders of the attention (2026-12-07); a wrong or missing conversion lands near 1 or under 1e-5
+    assert 1e-5 < rel < 3e-2, rel
     with pytest.raises(InvalidRequestError, match="float32 or bfloat16 only"):
         set_dtype(model, torch.float16)

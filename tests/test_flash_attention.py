@@ -60,6 +60,50 @@ def test_float16_cache_and_strided_queries():
     torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.125, None), rtol=1e-5, atol=2e-6)
 
 
+def _forms() -> list[str]:
+    """The key step's forms this CPU runs (attention_tile.h): portable and avx2 everywhere the kernels
+    build on x86-64, avx512 where the CPU has AVX-512 F."""
+    from turbollm.kernels import cpu_flags
+
+    return ["portable", "avx2"] + (["avx512"] if "avx512f" in cpu_flags().split() else [])
+
+
+@pytest.mark.parametrize("lens,q_lens,window,softcap,half", [
+    ([40], [40], None, None, False), ([300], [37], 33, 20.0, False), ([9, 30, 12, 5, 64], [1, 6, 1, 5, 17], None, None,
+                                                                           True), ([1000], [3], 100, None, True)])
+@pytest.mark.parametrize("Hq,Hk,D", [(9, 3, 64), (7, 1, 40), (12, 2, 128), (3, 3, 20)])
+def test_forms_give_the_same_bits(lens, q_lens, window, softcap, half, Hq, Hk, D):
+    """Every form of the key step this CPU runs (portable, AVX2, AVX-512: rows in lanes, one fma chain per
+    output) gives every output the same bits, each also against the reference; 'auto' takes the widest."""
+    kernels = require_kernels()
+    q, kc, vc, meta = _random_paged(lens, q_lens, Hq, Hk, D, 16, seed=D + len(lens))
+    q = q * 4 if softcap else q
+    if half:
+        kc, vc = kc.half(), vc.half()
+    ref = _reference(q, kc.float(), vc.float(), meta, D ** -0.5, window, softcap)
+    forms = _forms()
+    got = {}
+    try:
+        for form in forms:
+            kernels.set_attention_isa(form)
+            got[form] = _run(kernels, q, kc, vc, meta, D ** -0.5, window, softcap)
+            torch.testing.assert_close(got[form], ref, rtol=1e-5, atol=1e-5 if softcap else 2e-6)
+    finally:
+        assert kernels.set_attention_isa("auto") == forms[-1]
+    for form in forms[1:]:
+        assert torch.equal(got[form], got["portable"]), form
+    assert torch.equal(_run(kernels, q, kc, vc, meta, D ** -0.5, window, softcap), got[forms[-1]])
+
+
+def test_forms_refused_by_name():
+    kernels = require_kernels()
+    with pytest.raises(RuntimeError, match="'auto', 'portable', 'avx2' or 'avx512'"):
+        kernels.set_attention_isa("avx1024")
+    if "avx512" not in _forms():
+        with pytest.raises(RuntimeError, match="does not run the avx512 form"):
+            kernels.set_attention_isa("avx512")
+
+
 def test_one_thread_equals_two():
     """The split over keys depends on the thread count; the result may not (beyond rounding)."""
     kernels = require_kernels()

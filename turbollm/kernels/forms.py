@@ -24,8 +24,10 @@
   32-block every tile product makes a round trip through memory before its float steps, and it
   measured within +/-20% of avx512_vnni (docs/BENCHMARKS.md, 2026-12-06).
 
-The dense GEMV (`kernels/dense.py`) has an avx2 and an AVX-512 pass too, but they give the same bits, so
-it follows the CPU rather than the engine's form.
+The dense GEMV (`kernels/dense.py`) has an avx2 and an AVX-512 pass too, and so has the tiled attention's
+key step (``csrc/attention_tile.h``, ``csrc/flash_attention512.cpp``: each row in a vector lane, one chain of
+fused multiply-adds per output); each gives the same bits in every width, so they follow the CPU rather than
+the engine's form.
 
 The form is a property of the loaded weights: `set_kernel_form` (quantization/base.py) repacks or
 unpacks a model's weights for one, so that two engines in one process may run different forms. The

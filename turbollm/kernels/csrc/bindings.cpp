@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
         pybind11::arg("sinks") = 0, pybind11::arg("q_sink") = pybind11::none(), nogil);
+  m.def("set_attention_isa", &set_attention_isa, "the form of paged_attention's key step: 'auto' (the widest this CPU "
+        "runs), 'portable', 'avx2' or 'avx512', the same bits in each; returns the form before");
   m.def("paged_key_mass", &paged_key_mass, "add each table entry's attention mass (softmax over heads and the rows "
         "from first_rows) into out [B, width] (attention-score eviction)", nogil);
   m.def("paged_write_kv", &paged_write_kv, "store the new tokens' K and V rows at their cache slots", nogil);

@@ -10,7 +10,13 @@
 // time: the extra memory is rows × kKTile floats per thread, never the L × S score matrix.
 // Causal within the new tokens (token i of a sequence of L tokens, n of them new, sits at
 // position L - n + i and sees positions <= its own), sliding windows (positions > p - window),
-// soft-capping (cap * tanh(s / cap)), float32 or float16 K/V read in place.
+// soft-capping (cap * tanh(s / cap)), float32 or float16 K/V (widened per step into float rows).
+//
+// A step (attention_tile.h) holds the task's rows in vector lanes, the queries transposed once per task:
+// each score and each output element is one lane's chain of fused multiply-adds, register-blocked over
+// rows and keys for the scores and over rows and columns for P V (attention_tile.h). Its AVX-512 form
+// (flash_attention512.cpp), AVX2 form and portable form give the same bits; the widest the CPU runs is
+// taken (set_attention_isa forces one, for tests and benchmarks).
 //
 // With few tasks (one sequence verifying a handful of tokens, or one long chunk with one KV head)
 // the keys of a task are split in parts (split-K, as the decode kernel does) whose partial
@@ -24,13 +30,19 @@
 #include "ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "attention_simd.h"
+#include "attention_tile.h"
 #include "kv_quant.h"
+
+namespace atile {
+void step_avx512(const Step& s);  // flash_attention512.cpp
+}
 
 namespace {
 
@@ -51,14 +63,75 @@ struct SinkArgs {
   int64_t stride;    // q_sink's row stride
 };
 
+// The key step's form: 0 portable, 1 AVX2, 2 AVX-512 (attention_tile.h: the same bits in each); -1 until
+// chosen, then the widest the CPU runs unless set_attention_isa named one.
+std::atomic<int> g_isa{-1};
+
+int widest_isa() {
+#ifdef __AVX2__
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int attention_isa() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) g_isa.store(isa = widest_isa(), std::memory_order_relaxed);
+  return isa;
+}
+
+void run_step(const atile::Step& s) {
+  switch (attention_isa()) {
+#ifdef __AVX2__
+    case 2: atile::step_avx512(s); break;
+    case 1: atile::step<atile::Vec8>(s); break;
+#endif
+    default: atile::step<atile::VecS>(s); break;
+  }
+}
+
+// Per-thread scratch of a task.
+struct Scratch {
+  std::vector<float> qt, qt_sink, kf, vf, st, cr, m, l;
+  std::vector<int64_t> lo, hi, a, e;
+};
+
+// Rows [0, R) of the tile as qt[D][Rp] (row r = token i * G + head g; pad rows zero).
+void transpose_queries(const float* qbase, int64_t qstr, int64_t first_row, int64_t h, int64_t nq, int64_t G,
+                       int64_t D, int64_t Rp, std::vector<float>& qt) {
+  qt.assign(D * Rp, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q = qbase + (first_row + i) * qstr + (h * G + g) * D;
+      const int64_t r = i * G + g;
+      for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = q[d];
+    }
+}
+
+// n cache rows (element offsets off[j]) as float32 rows dst[j * D ..]
+template <class T>
+void widen_rows(const T* base, const int64_t* off, int64_t n, int64_t D, float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = base + off[j];
+    float* o = dst + j * D;
+    int64_t d = 0;
+#ifdef __AVX2__
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, load8(src + d));
+#endif
+    for (; d < D; ++d) o[d] = to_f32(src[d]);
+  }
+}
+
 template <class T>
 void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, const T* vp, const int64_t* table,
               int64_t q0, int64_t first_pos, int64_t BS, int64_t Hk, int64_t G, int64_t D, float scale, float cap,
-              int64_t window, const SinkArgs& sk, float* m, float* l, float* acc, std::vector<float>& scores,
-              std::vector<const T*>& rows, std::vector<int64_t>& lo, std::vector<int64_t>& hi,
-              const QuantKV* qk = nullptr, std::vector<float>* kbuf = nullptr, std::vector<float>* vbuf = nullptr) {
-  const int64_t nq = tk.i1 - tk.i0, R = nq * G;
+              int64_t window, const SinkArgs& sk, float* m, float* l, float* acc, Scratch& w,
+              const QuantKV* qk = nullptr) {
+  const int64_t nq = tk.i1 - tk.i0, R = nq * G, Rp = (R + 15) / 16 * 16;
   const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t>&lo = w.lo, &hi = w.hi;
   lo.resize(2 * R);
   hi.resize(2 * R);
   int64_t sink_top = 0;  // the sink positions [0, sink_top) some row of the tile sees
@@ -72,86 +145,48 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
       sink_top = std::max(sink_top, hi[R + i * G + g]);
     }
   }
-  std::fill(m, m + R, ninf);
-  std::fill(l, l + R, 0.f);
+  w.m.assign(Rp, ninf);
+  w.l.assign(Rp, 0.f);
+  w.cr.resize(Rp);
+  w.st.resize(kKTile * Rp);
+  w.kf.resize(kKTile * D);
+  w.vf.resize(kKTile * D);
+  w.a.assign(Rp, 0);
+  w.e.assign(Rp, 0);
   std::fill(acc, acc + R * D, 0.f);
-  scores.resize(R * kKTile);
-  rows.resize(kKTile);
+  transpose_queries(qp, qstride, q0 + tk.i0, tk.h, nq, G, D, Rp, w.qt);
+  if (sink_top > 0) transpose_queries(sk.q, sk.stride, q0 + tk.i0, tk.h, nq, G, D, Rp, w.qt_sink);
   int64_t off[kKTile];
-  // keys [t0, t0 + n) for every row r (visible: [LO[r], HI[r])), queries from qbase's rows
-  auto step = [&](int64_t t0, int64_t n, const float* qbase, int64_t qstr, const int64_t* LO, const int64_t* HI) {
-    const T* kbase = kp;
-    const T* vbase = vp;
-    if constexpr (std::is_same_v<T, float>) {
-      if (qk) {  // quantized K/V: the tile dequantized (or widened from the ring) into float rows
-        kbuf->resize(n * D);
-        vbuf->resize(n * D);
-        load_quant_rows(*qk, table, qk->qlo[tk.b], qk->slot[tk.b], tk.h, t0, t0 + n, kbuf->data(), vbuf->data());
-        kbase = kbuf->data();
-        vbase = vbuf->data();
-        for (int64_t j = 0; j < n; ++j) off[j] = j * D;
-      }
-    }
-    if (!qk) {
+  // keys [t0, t0 + n) for every row r (visible: [LO[r], HI[r])), queries qt
+  auto step = [&](int64_t t0, int64_t n, const std::vector<float>& qt, const int64_t* LO, const int64_t* HI) {
+    if (qk) {  // quantized K/V: the step's rows dequantized (or widened from the ring) into float rows
+      if constexpr (std::is_same_v<T, float>)
+        load_quant_rows(*qk, table, qk->qlo[tk.b], qk->slot[tk.b], tk.h, t0, t0 + n, w.kf.data(), w.vf.data());
+    } else {
       int64_t blk = t0 / BS, slot = t0 % BS;
       for (int64_t j = 0; j < n; ++j) {
         off[j] = ((table[blk] * BS + slot) * Hk + tk.h) * D;
         if (++slot == BS) { slot = 0; ++blk; }
       }
+      widen_rows(kp, off, n, D, w.kf.data());
+      widen_rows(vp, off, n, D, w.vf.data());
     }
-    for (int64_t j = 0; j < n; ++j) rows[j] = kbase + off[j];
-    // scores [R, n]
-    for (int64_t i = 0; i < nq; ++i) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
-        const float* q = qbase + (q0 + tk.i0 + i) * qstr + (tk.h * G + g) * D;
-        float* s = scores.data() + r * n;
-        const int64_t a = std::max<int64_t>(LO[r] - t0, 0), e = std::min<int64_t>(HI[r] - t0, n);
-        int64_t j = 0;
-#ifdef __AVX2__
-        if (D % 8 == 0)
-          for (; j + 8 <= n; j += 8) {
-            if (j + 8 <= a || j >= e) continue;  // wholly masked for this row
-            _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8(q, rows.data() + j, D), _mm256_set1_ps(scale)));
-          }
-#endif
-        for (; j < n; ++j)
-          if (j >= a && j < e) s[j] = dot(q, rows[j], D) * scale;
-        if (cap > 0.f)
-          for (int64_t x = a; x < e; ++x) s[x] = std::tanh(s[x] / cap) * cap;
-        for (int64_t x = 0; x < std::min(a, n); ++x) s[x] = ninf;
-        for (int64_t x = std::max<int64_t>(e, 0); x < n; ++x) s[x] = ninf;
-      }
+    for (int64_t r = 0; r < Rp; ++r) {
+      if (r >= R) { w.a[r] = 0; w.e[r] = n; continue; }  // pad rows (zero queries; never read back)
+      const int64_t e = std::clamp<int64_t>(HI[r] - t0, 0, n);
+      w.a[r] = std::min(std::clamp<int64_t>(LO[r] - t0, 0, n), e);
+      w.e[r] = e;
     }
-    // online softmax: rescale what the row has, add this step's exp(s - m)
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = scores.data() + r * n;
-      const int64_t a = std::max<int64_t>(LO[r] - t0, 0), e = std::min<int64_t>(HI[r] - t0, n);
-      if (a >= e) {  // nothing visible to this row here
-        std::fill(s, s + n, 0.f);
-        continue;
-      }
-      float mx = m[r];
-      for (int64_t x = a; x < e; ++x) mx = std::max(mx, s[x]);
-      const float corr = m[r] == ninf ? 0.f : std::exp(m[r] - mx);
-      const float sum = exp_sum(s, a, e, mx);
-      std::fill(s, s + a, 0.f);
-      std::fill(s + e, s + n, 0.f);
-      if (corr != 1.f) {
-        float* o = acc + r * D;
-        for (int64_t d = 0; d < D; ++d) o[d] *= corr;
-      }
-      l[r] = l[r] * corr + sum;
-      m[r] = mx;
-    }
-    // acc += P V
-    for (int64_t j = 0; j < n; ++j) rows[j] = vbase + off[j];
-    accum_pv(rows.data(), scores.data(), n, R, acc, D);
+    const atile::Step s{qt.data(), w.kf.data(), w.vf.data(), w.a.data(), w.e.data(), R, Rp, D, n, scale, cap,
+                        w.st.data(), w.cr.data(), w.m.data(), w.l.data(), acc};
+    run_step(s);
   };
   for (int64_t t0 = 0; t0 < sink_top; t0 += kKTile)
-    step(t0, std::min(kKTile, sink_top - t0), sk.q, sk.stride, lo.data() + R, hi.data() + R);
+    step(t0, std::min(kKTile, sink_top - t0), w.qt_sink, lo.data() + R, hi.data() + R);
   for (int64_t t0 = tk.k0; t0 < tk.k1; t0 += kKTile)
-    step(t0, std::min(kKTile, tk.k1 - t0), qp, qstride, lo.data(), hi.data());
+    step(t0, std::min(kKTile, tk.k1 - t0), w.qt, lo.data(), hi.data());
+  std::copy(w.m.begin(), w.m.begin() + R, m);
+  std::copy(w.l.begin(), w.l.begin() + R, l);
 }
 
 template <class T>
@@ -204,17 +239,27 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, own(rows_max * (D + 2)), kbuf, vbuf;
-    std::vector<const T*> rows;
-    std::vector<int64_t> lo, hi;
-    for (int64_t j = begin; j < end; ++j) {
-      const TaskDef& tk = tasks[j];
+  // Threads take tasks one at a time, dearest first (keys x rows): a causal prompt's tiles cost in proportion
+  // to their position, and equal contiguous shares of them left one thread three times the other's work.
+  // Each task writes only its own rows or partial, so which thread runs it changes nothing in the result.
+  std::vector<int64_t> order(tasks.size());
+  for (size_t j = 0; j < tasks.size(); ++j) order[j] = (int64_t)j;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const TaskDef &x = tasks[a], &y = tasks[b];
+    return (x.k1 - x.k0) * (x.i1 - x.i0) > (y.k1 - y.k0) * (y.i1 - y.i0);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> own(rows_max * (D + 2));
+    Scratch w;
+    for (int64_t n = next++; n < (int64_t)order.size(); n = next++) {
+      const TaskDef& tk = tasks[order[n]];
       const int64_t nq = tk.i1 - tk.i0, R = nq * G;
       float* buf = tk.part >= 0 ? partial.data() + tk.part * rows_max * (D + 2) : own.data();
       float *m = buf, *l = buf + R, *acc = buf + 2 * R;
       run_task<T>(tk, qp, qstride, kp, vp, btp + tk.b * W, qs[tk.b], lp[tk.b] - (qs[tk.b + 1] - qs[tk.b]), BS, Hk,
-                  G, D, fscale, cap, window, sk, m, l, acc, scores, rows, lo, hi, qk, &kbuf, &vbuf);
+                  G, D, fscale, cap, window, sk, m, l, acc, w, qk);
       if (tk.part >= 0) continue;
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -247,6 +292,18 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
 }
 
 }  // namespace
+
+std::string set_attention_isa(const std::string& isa) {
+  static const char* const kNames[] = {"portable", "avx2", "avx512"};
+  int want = -1;
+  for (int i = 0; i < 3; ++i)
+    if (isa == kNames[i]) want = i;
+  TORCH_CHECK(want >= 0 || isa == "auto", "set_attention_isa: 'auto', 'portable', 'avx2' or 'avx512', not '", isa, "'");
+  if (want < 0) want = widest_isa();
+  TORCH_CHECK(want <= widest_isa(), "set_attention_isa: this CPU or build does not run the ", isa, " form");
+  int before = g_isa.exchange(want);
+  return kNames[before < 0 ? widest_isa() : before];
+}
 
 // The tiled kernel over quantized K/V (kv_quant.h): each key tile dequantized (or widened from the
 // ring) into float rows, then attended as float K/V.

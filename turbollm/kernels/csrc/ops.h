@@ -29,6 +29,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
                               double scale, int64_t window, double softcap, int64_t sinks = 0,
                               c10::optional<torch::Tensor> q_sink = c10::nullopt);
+// The form of paged_attention's key step, "auto" (the widest this CPU runs), "portable", "avx2" or "avx512":
+// the same bits in each (attention_tile.h); returns the form before. For tests and benchmarks.
+std::string set_attention_isa(const std::string& isa);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gated_act(torch::Tensor gate_up, int64_t act);
