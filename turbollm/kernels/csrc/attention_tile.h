@@ -11,8 +11,9 @@
 // (tests/test_flash_attention.py compares them). A row's result does not depend on the other rows of
 // its tile either.
 //
-// Per step the scores are n x Rp floats (the keys x the rows rounded up to whole vectors), the keys and
-// values of the step float32 rows that the caller widened, dequantized or copied (kf, vf).
+// Per step the scores are n x Rp floats (the keys x the rows rounded up to whole vectors); the keys and
+// values of the step are float32 rows the caller points at: in the cache (float32 K/V) or widened or
+// dequantized into its own buffer (float16, int8, int4).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -27,8 +28,8 @@ namespace atile {
 
 struct Step {
   const float* qt;  // [D][Rp] the rows' queries, transposed (pad rows zero)
-  const float* kf;  // [n][D] this step's keys
-  const float* vf;  // [n][D] and values
+  const float* const* krows;  // n rows of D: this step's keys
+  const float* const* vrows;  // and values
   const int64_t* a;  // [Rp] row r sees the keys [a[r], e[r]) of this step (0 <= a <= e <= n)
   const int64_t* e;
   int64_t R, Rp, D, n;  // rows, rows rounded up to the vector width, head dim, keys (<= 64)
@@ -123,12 +124,13 @@ inline void qk_block(const Step& s, int64_t v0, int64_t j0) {
   for (int v = 0; v < NV; ++v)
     for (int k = 0; k < NK; ++k) acc[v][k] = V::zero();
   const float* q = s.qt + v0 * V::W;
-  const float* kr = s.kf + j0 * s.D;
+  const float* kr[NK];
+  for (int k = 0; k < NK; ++k) kr[k] = s.krows[j0 + k];
   for (int64_t d = 0; d < s.D; ++d) {
     typename V::T qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = V::load(q + d * s.Rp + v * V::W);
     for (int k = 0; k < NK; ++k) {
-      const auto kb = V::set1(kr[k * s.D + d]);
+      const auto kb = V::set1(kr[k][d]);
       for (int v = 0; v < NV; ++v) acc[v][k] = V::fma(qv[v], kb, acc[v][k]);
     }
   }
@@ -157,7 +159,7 @@ inline void pv_block(const Step& s, int64_t r0, int64_t d0) {
     for (int c = 0; c < NC; ++c) a[r][c] = V::load(s.acc + (r0 + r) * s.D + d0 + c * V::W);
   for (int64_t j = 0; j < s.n; ++j) {
     typename V::T vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = V::load(s.vf + j * s.D + d0 + c * V::W);
+    for (int c = 0; c < NC; ++c) vv[c] = V::load(s.vrows[j] + d0 + c * V::W);
     for (int r = 0; r < NR; ++r) {
       const auto p = V::set1(s.st[j * s.Rp + r0 + r]);
       for (int c = 0; c < NC; ++c) a[r][c] = V::fma(p, vv[c], a[r][c]);

@@ -10,7 +10,7 @@
 // time: the extra memory is rows × kKTile floats per thread, never the L × S score matrix.
 // Causal within the new tokens (token i of a sequence of L tokens, n of them new, sits at
 // position L - n + i and sees positions <= its own), sliding windows (positions > p - window),
-// soft-capping (cap * tanh(s / cap)), float32 or float16 K/V (widened per step into float rows).
+// soft-capping (cap * tanh(s / cap)), float32 K/V read in place or float16 K/V widened per step.
 //
 // A step (attention_tile.h) holds the task's rows in vector lanes, the queries transposed once per task:
 // each score and each output element is one lane's chain of fused multiply-adds, register-blocked over
@@ -96,6 +96,7 @@ void run_step(const atile::Step& s) {
 struct Scratch {
   std::vector<float> qt, qt_sink, kf, vf, st, cr, m, l;
   std::vector<int64_t> lo, hi, a, e;
+  std::vector<const float*> krows, vrows;
 };
 
 // Rows [0, R) of the tile as qt[D][Rp] (row r = token i * G + head g; pad rows zero).
@@ -151,25 +152,42 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
   w.st.resize(kKTile * Rp);
   w.kf.resize(kKTile * D);
   w.vf.resize(kKTile * D);
-  w.a.assign(Rp, 0);
-  w.e.assign(Rp, 0);
+  w.a.resize(Rp);
+  w.e.resize(Rp);
+  w.krows.resize(kKTile);
+  w.vrows.resize(kKTile);
   std::fill(acc, acc + R * D, 0.f);
   transpose_queries(qp, qstride, q0 + tk.i0, tk.h, nq, G, D, Rp, w.qt);
   if (sink_top > 0) transpose_queries(sk.q, sk.stride, q0 + tk.i0, tk.h, nq, G, D, Rp, w.qt_sink);
   int64_t off[kKTile];
   // keys [t0, t0 + n) for every row r (visible: [LO[r], HI[r])), queries qt
   auto step = [&](int64_t t0, int64_t n, const std::vector<float>& qt, const int64_t* LO, const int64_t* HI) {
+    auto from_buffers = [&] {  // the step's rows are those of kf / vf
+      for (int64_t j = 0; j < n; ++j) {
+        w.krows[j] = w.kf.data() + j * D;
+        w.vrows[j] = w.vf.data() + j * D;
+      }
+    };
     if (qk) {  // quantized K/V: the step's rows dequantized (or widened from the ring) into float rows
       if constexpr (std::is_same_v<T, float>)
         load_quant_rows(*qk, table, qk->qlo[tk.b], qk->slot[tk.b], tk.h, t0, t0 + n, w.kf.data(), w.vf.data());
+      from_buffers();
     } else {
       int64_t blk = t0 / BS, slot = t0 % BS;
       for (int64_t j = 0; j < n; ++j) {
         off[j] = ((table[blk] * BS + slot) * Hk + tk.h) * D;
         if (++slot == BS) { slot = 0; ++blk; }
       }
-      widen_rows(kp, off, n, D, w.kf.data());
-      widen_rows(vp, off, n, D, w.vf.data());
+      if constexpr (std::is_same_v<T, float>) {  // float32 K/V: read in place
+        for (int64_t j = 0; j < n; ++j) {
+          w.krows[j] = kp + off[j];
+          w.vrows[j] = vp + off[j];
+        }
+      } else {  // float16: widened
+        widen_rows(kp, off, n, D, w.kf.data());
+        widen_rows(vp, off, n, D, w.vf.data());
+        from_buffers();
+      }
     }
     for (int64_t r = 0; r < Rp; ++r) {
       if (r >= R) { w.a[r] = 0; w.e[r] = n; continue; }  // pad rows (zero queries; never read back)
@@ -177,7 +195,7 @@ void run_task(const TaskDef& tk, const float* qp, int64_t qstride, const T* kp, 
       w.a[r] = std::min(std::clamp<int64_t>(LO[r] - t0, 0, n), e);
       w.e[r] = e;
     }
-    const atile::Step s{qt.data(), w.kf.data(), w.vf.data(), w.a.data(), w.e.data(), R, Rp, D, n, scale, cap,
+    const atile::Step s{qt.data(), w.krows.data(), w.vrows.data(), w.a.data(), w.e.data(), R, Rp, D, n, scale, cap,
                         w.st.data(), w.cr.data(), w.m.data(), w.l.data(), acc};
     run_step(s);
   };
